@@ -1,0 +1,103 @@
+"""The ``protofl`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from protofl.config import ConfigError, ExperimentConfig
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from protofl.engine.runner import run_experiment
+    from protofl.report.console import print_summary
+
+    config = ExperimentConfig.from_yaml(args.config) if args.config else ExperimentConfig()
+    config = config.with_overrides(args.set or [])
+    result = run_experiment(config, out=args.out, progress=not args.quiet)
+    if args.json:
+        print(json.dumps({"run_dir": str(result.run_dir), **result.summary}, indent=2))
+    else:
+        print_summary(result.summary, str(result.run_dir))
+    return 0
+
+
+def _cmd_datasets(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from protofl.data import DATASET_REGISTRY
+    from protofl.data.cache import protofl_home
+
+    home = protofl_home()
+    table = Table(title=f"data sets (cache: {home})")
+    for col in ("name", "available locally", "description", "how to get it"):
+        table.add_column(col)
+    for name in DATASET_REGISTRY:
+        info = DATASET_REGISTRY.get(name)
+        table.add_row(name, "yes" if info.is_available(home) else "no", info.description,
+                      info.how_to_get)
+    Console(width=160).print(table)
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    config = ExperimentConfig.from_yaml(args.config) if args.config else ExperimentConfig()
+    print(config.with_overrides(args.set or []).to_yaml(), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (one sub-command per task)."""
+    parser = argparse.ArgumentParser(
+        prog="protofl",
+        description="Privacy-preserving prototype-based personalized federated learning.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log to the console too")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run an experiment (default: fedproto on digits4)")
+    run.add_argument("config", nargs="?", help="experiment YAML (default: the embedded default)")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="override a config key, e.g. federation.rounds=2 (repeatable)")
+    run.add_argument("--out", help="folder that receives the run folder (default: run.out_dir)")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--json", action="store_true", help="print the summary as JSON")
+    run.set_defaults(func=_cmd_run)
+
+    ds = sub.add_parser("datasets", help="list data sets and whether each is available")
+    ds.set_defaults(func=_cmd_datasets)
+
+    cfg = sub.add_parser("config", help="print the fully resolved config")
+    cfg.add_argument("config", nargs="?")
+    cfg.add_argument("--set", action="append", metavar="KEY=VALUE")
+    cfg.set_defaults(func=_cmd_config)
+
+    try:
+        from protofl.privacy.cli import add_privacy_parser, run_privacy
+    except ImportError:  # pragma: no cover
+        pass
+    else:
+        priv = add_privacy_parser(sub)
+        priv.set_defaults(func=run_privacy)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; errors in input become one clear line and exit code 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"protofl: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""Frozen, validated configuration for a whole experiment; YAML in and out; dotted overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from protofl.privacy.config import PrivacyConfig
+from protofl.registry import nearest
+
+C = TypeVar("C")
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is wrong; the message names the key."""
+
+
+def check_range(
+    key: str,
+    value: float,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    """Raise ConfigError naming ``key`` when ``value`` lies outside the interval."""
+    ok = True
+    if low is not None:
+        ok &= value > low if low_open else value >= low
+    if high is not None:
+        ok &= value < high if high_open else value <= high
+    if not ok:
+        lo = "(" if low_open else "["
+        hi = ")" if high_open else "]"
+        interval = f"{lo}{'-inf' if low is None else low}, {'inf' if high is None else high}{hi}"
+        raise ConfigError(f"{key}={value!r} is out of range; allowed: {interval}")
+
+
+def check_choice(key: str, value: str, choices: Sequence[str]) -> None:
+    """Raise ConfigError naming ``key`` when ``value`` is not one of ``choices``."""
+    if value not in choices:
+        raise ConfigError(
+            f"{key}={value!r} is not allowed{nearest(value, list(choices))}; "
+            f"choose one of: {', '.join(choices)}"
+        )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Which data set, how it is split into clients, and how much of it trains."""
+
+    name: str = "digits4"
+    root: str | None = None
+    domains: tuple[str, ...] | None = None
+    train_fraction: float = 0.1
+    max_train_per_domain: int | None = None
+    max_test_per_domain: int | None = None
+    clients_per_domain: int = 1
+    partition: str = "domain"
+    dirichlet_alpha: float = 0.5
+    min_client_size: int = 1
+
+    def __post_init__(self) -> None:
+        check_range("data.train_fraction", self.train_fraction, low=0.0, high=1.0, low_open=True)
+        check_range("data.clients_per_domain", self.clients_per_domain, low=1)
+        check_choice("data.partition", self.partition, ("domain", "dirichlet"))
+        check_range("data.dirichlet_alpha", self.dirichlet_alpha, low=0.0, low_open=True)
+        check_range("data.min_client_size", self.min_client_size, low=1)
+        for key in ("max_train_per_domain", "max_test_per_domain"):
+            value = getattr(self, key)
+            if value is not None:
+                check_range(f"data.{key}", value, low=1)
+
+
+@dataclass(frozen=True)
+class BackboneConfig:
+    """The frozen pretrained backbone and the trainable parts on top of it."""
+
+    name: str = "efficientnet_lite0"
+    image_size: int = 32
+    proto_dim: int = 512
+    adapter_hidden: int = 64
+    train_projection: bool = True
+    head: str = "linear"
+    feature_cache: bool = True
+
+    def __post_init__(self) -> None:
+        check_range("backbone.image_size", self.image_size, low=8, high=512)
+        check_range("backbone.proto_dim", self.proto_dim, low=2)
+        check_range("backbone.adapter_hidden", self.adapter_hidden, low=1)
+        check_choice("backbone.head", self.head, ("linear", "mlp"))
+
+
+@dataclass(frozen=True)
+class FederationConfig:
+    """Rounds, local epochs and the local optimiser (AdamW as in VPDR's set-up)."""
+
+    rounds: int = 20
+    local_epochs: int = 1
+    batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 1e-5
+    eval_every: int = 1
+
+    def __post_init__(self) -> None:
+        check_range("federation.rounds", self.rounds, low=1)
+        check_range("federation.local_epochs", self.local_epochs, low=1)
+        check_range("federation.batch_size", self.batch_size, low=1)
+        check_range("federation.lr", self.lr, low=0.0, low_open=True)
+        check_range("federation.weight_decay", self.weight_decay, low=0.0)
+        check_range("federation.eval_every", self.eval_every, low=1)
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """The federated method and its hyperparameters (validated by the method itself)."""
+
+    name: str = "fedproto"
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Where results go and how the run behaves on this machine."""
+
+    out_dir: str = "runs"
+    save_releases: bool = True
+    progress: bool = True
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.threads is not None:
+            check_range("run.threads", self.threads, low=1)
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """Everything one experiment needs; the same config and seed give the same numbers."""
+
+    name: str = "default"
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    backbone: BackboneConfig = field(default_factory=BackboneConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        check_range("seed", self.seed, low=0)
+
+    # --- conversion -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A plain nested dict (YAML- and JSON-safe)."""
+        return _to_plain(dataclasses.asdict(self))
+
+    def to_yaml(self) -> str:
+        """The full resolved config as YAML."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> ExperimentConfig:
+        """Build and validate from a nested mapping; unknown keys fail with the nearest name."""
+        return _build(cls, data, prefix="", source=source)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ExperimentConfig:
+        """Read a YAML file; errors name the file and the key."""
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        try:
+            return cls.from_dict(data, source=str(path))
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+
+    def with_overrides(self, overrides: Sequence[str]) -> ExperimentConfig:
+        """Apply ``key=value`` strings with dotted keys (``federation.rounds=2``)."""
+        data = self.to_dict()
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"--set {item!r} must look like key=value")
+            key, raw = item.split("=", 1)
+            set_dotted(data, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        return ExperimentConfig.from_dict(data, source="--set")
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``a.b.c`` in a nested dict; the key path is validated later by ``from_dict``."""
+    parts = key.split(".")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = {}
+            node[part] = child
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {key!r}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def _build(cls: type[C], data: Mapping[str, Any], *, prefix: str, source: str) -> C:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise ConfigError(
+                f"unknown config key {prefix + str(key)!r}{nearest(str(key), list(fields))}; "
+                f"valid keys here: {', '.join(fields)}"
+            )
+        kwargs[key] = _coerce(hints[key], value, prefix + key, source)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # pragma: no cover - defensive
+        raise ConfigError(f"{prefix.rstrip('.')}: {exc}") from None
+
+
+def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value if value is not None else {}, prefix=key + ".", source=source)  # type: ignore[arg-type]
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(args[0], value, key, source)
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            value = [value]
+        return tuple(value)
+    if origin is dict or tp is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    return value

@@ -1,0 +1,79 @@
+"""In-memory multi-domain image data sets: what every loader returns."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from protofl.registry import Registry
+
+
+@dataclass(frozen=True)
+class DomainSplit:
+    """Images (uint8, [N, H, W, 3]) and labels (int64, [N]) of one split of one domain."""
+
+    images: np.ndarray
+    labels: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.images.ndim != 4 or self.images.shape[-1] != 3 or self.images.dtype != np.uint8:
+            raise ValueError(
+                f"images must be uint8 [N, H, W, 3], got {self.images.dtype} {self.images.shape}"
+            )
+        if self.labels.shape != (self.images.shape[0],):
+            raise ValueError("labels must have one entry per image")
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+
+@dataclass(frozen=True)
+class DomainData:
+    """One domain: its name, a fixed train/test split, and whether its images are real."""
+
+    name: str
+    train: DomainSplit
+    test: DomainSplit
+    real: bool
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class MultiDomainDataset:
+    """Several domains over one label space."""
+
+    name: str
+    classes: tuple[str, ...]
+    domains: tuple[DomainData, ...]
+
+    @property
+    def num_classes(self) -> int:
+        """Size of the shared label space."""
+        return len(self.classes)
+
+    def domain(self, name: str) -> DomainData:
+        """Look a domain up by name, failing with the valid names."""
+        for d in self.domains:
+            if d.name == name:
+                return d
+        raise ValueError(
+            f"data set {self.name!r} has no domain {name!r}; domains: "
+            + ", ".join(d.name for d in self.domains)
+        )
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """Registry entry: how to load a data set and how a user gets it."""
+
+    name: str
+    loader: Callable[[Path, str | None], MultiDomainDataset]
+    description: str
+    how_to_get: str
+    is_available: Callable[[Path], bool]
+
+
+DATASET_REGISTRY: Registry[DatasetInfo] = Registry("data set")

@@ -1,0 +1,100 @@
+"""The on-disk cache (``PROTOFL_HOME`` or ``~/.cache/protofl``): atomic writes, sha256 manifests."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+
+
+def protofl_home() -> Path:
+    """The cache root: ``$PROTOFL_HOME`` if set, else ``~/.cache/protofl``."""
+    env = os.environ.get("PROTOFL_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "protofl"
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temporary file in the same folder, fsync, then rename over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _read_manifest(folder: Path) -> dict[str, Any]:
+    path = folder / MANIFEST
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        log.warning("cache manifest %s is unreadable; its entries will be rebuilt", path)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def record_checksum(path: Path, digest: str | None = None) -> str:
+    """Store ``path``'s sha256 in its folder's manifest and return it."""
+    digest = digest or sha256_file(path)
+    manifest = _read_manifest(path.parent)
+    manifest[path.name] = digest
+    atomic_write_bytes(path.parent / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    return digest
+
+
+def verify_checksum(path: Path) -> bool:
+    """True when ``path`` exists and matches the sha256 recorded in its folder's manifest."""
+    if not path.exists():
+        return False
+    expected = _read_manifest(path.parent).get(path.name)
+    if expected is None:
+        return False
+    return bool(sha256_file(path) == expected)
+
+
+def save_arrays(path: Path, **arrays: np.ndarray) -> str:
+    """Atomically save arrays as an ``.npz`` and record its checksum; returns the sha256."""
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)  # type: ignore[arg-type]
+    data = buf.getvalue()
+    atomic_write_bytes(path, data)
+    return record_checksum(path, hashlib.sha256(data).hexdigest())
+
+
+def load_arrays(path: Path) -> dict[str, np.ndarray] | None:
+    """Load a checksummed ``.npz``; None (with a log line) when missing or corrupt."""
+    if not path.exists():
+        return None
+    if not verify_checksum(path):
+        log.warning("cached file %s fails its checksum; rebuilding it", path)
+        return None
+    with np.load(path, allow_pickle=False) as npz:
+        return {k: npz[k] for k in npz.files}

@@ -1,0 +1,86 @@
+"""Partitioners: training fractions, equal shards and Dirichlet label skew (bounded retries)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class PartitionError(ValueError):
+    """A partition cannot meet its constraints; the message gives the numbers."""
+
+
+def subsample(
+    labels: np.ndarray, fraction: float, rng: np.random.Generator, *, max_count: int | None = None
+) -> np.ndarray:
+    """Stratified random subset of ``fraction`` of the indices (at least one per present class)."""
+    if not 0 < fraction <= 1:
+        raise PartitionError(f"fraction={fraction} must lie in (0, 1]")
+    n = len(labels)
+    target = max(1, round(fraction * n))
+    if max_count is not None:
+        target = min(target, max_count)
+    if target >= n:
+        return np.arange(n)
+    chosen: list[np.ndarray] = []
+    classes = np.unique(labels)
+    for c in classes:
+        idx = np.flatnonzero(labels == c)
+        k = max(1, round(target * len(idx) / n))
+        chosen.append(rng.choice(idx, size=min(k, len(idx)), replace=False))
+    out = np.sort(np.concatenate(chosen))
+    return out
+
+
+def equal_shards(
+    indices: np.ndarray, num_clients: int, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Shuffle and split into ``num_clients`` near-equal shards."""
+    if len(indices) < num_clients:
+        raise PartitionError(
+            f"cannot give {num_clients} clients at least one sample each from {len(indices)} samples"
+        )
+    perm = rng.permutation(indices)
+    return [np.sort(s) for s in np.array_split(perm, num_clients)]
+
+
+def dirichlet_split(
+    indices: np.ndarray,
+    labels: np.ndarray,
+    num_clients: int,
+    alpha: float,
+    rng: np.random.Generator,
+    *,
+    min_size: int = 1,
+    max_tries: int = 100,
+) -> list[np.ndarray]:
+    """Per-class Dirichlet(alpha) proportions over clients; retries at most ``max_tries`` times.
+
+    ``labels`` are the labels of ``indices`` (same length). Fails with the numbers when no draw
+    gives every client ``min_size`` samples, instead of looping forever.
+    """
+    if alpha <= 0:
+        raise PartitionError(f"dirichlet alpha={alpha} must be > 0")
+    if len(indices) < num_clients * min_size:
+        raise PartitionError(
+            f"{len(indices)} samples cannot give {num_clients} clients at least {min_size} each"
+        )
+    classes = np.unique(labels)
+    smallest = 0
+    for _ in range(max_tries):
+        parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        for c in classes:
+            idx = rng.permutation(indices[labels == c])
+            props = rng.dirichlet(np.full(num_clients, alpha))
+            cuts = (np.cumsum(props) * len(idx)).astype(int)[:-1]
+            for client, chunk in enumerate(np.split(idx, cuts)):
+                parts[client].append(chunk)
+        shards = [np.sort(np.concatenate(p)) for p in parts]
+        sizes = [len(s) for s in shards]
+        smallest = min(sizes)
+        if smallest >= min_size:
+            return shards
+    raise PartitionError(
+        f"Dirichlet(alpha={alpha}) split of {len(indices)} samples over {num_clients} clients "
+        f"gave a client only {smallest} samples after {max_tries} tries (minimum {min_size}); "
+        "raise alpha, lower data.min_client_size or use fewer clients"
+    )

@@ -1,0 +1,144 @@
+"""Turn a configured data set into per-client cached features (the engine's only data view)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from protofl.config import ExperimentConfig
+from protofl.data import DATASET_REGISTRY
+from protofl.data.base import MultiDomainDataset
+from protofl.data.features import cached_features
+from protofl.data.partition import dirichlet_split, equal_shards, subsample
+from protofl.models.backbones import FrozenBackbone, create_backbone
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ClientData:
+    """One client's cached training representation and its domain's test set."""
+
+    client: int
+    name: str
+    domain: int
+    domain_name: str
+    train_z: torch.Tensor
+    train_y: torch.Tensor
+    test_z: torch.Tensor
+    test_y: torch.Tensor
+    train_indices: np.ndarray
+
+    @property
+    def num_train(self) -> int:
+        """Number of local training samples."""
+        return int(self.train_y.shape[0])
+
+
+@dataclass
+class FederatedData:
+    """All clients, the label space and the domains."""
+
+    clients: list[ClientData]
+    classes: tuple[str, ...]
+    domains: tuple[str, ...]
+    feature_dim: int
+    dataset: str
+    real_domains: dict[str, bool]
+
+    @property
+    def num_classes(self) -> int:
+        """Size of the label space."""
+        return len(self.classes)
+
+
+def load_dataset(config: ExperimentConfig, home: Path) -> MultiDomainDataset:
+    """Load the configured data set through the registry."""
+    info = DATASET_REGISTRY.get(config.data.name)
+    return info.loader(home, config.data.root)
+
+
+def build_federated_data(
+    config: ExperimentConfig,
+    home: Path,
+    *,
+    backbone: FrozenBackbone | None = None,
+    dataset: MultiDomainDataset | None = None,
+) -> FederatedData:
+    """Subsample each domain's train split, assign clients, and encode with the cached backbone."""
+    dcfg = config.data
+    dataset = dataset or load_dataset(config, home)
+    backbone = backbone or create_backbone(config.backbone.name, config.backbone.image_size)
+    domains = list(dataset.domains)
+    if dcfg.domains is not None:
+        domains = [dataset.domain(name) for name in dcfg.domains]
+    rng = np.random.default_rng(np.random.SeedSequence([config.seed, 0xDA7A]))
+    clients: list[ClientData] = []
+    use_cache = config.backbone.feature_cache
+    for d_index, dom in enumerate(domains):
+        if len(dom.train) == 0 or len(dom.test) == 0:
+            raise ValueError(f"data set {dataset.name!r}: domain {dom.name!r} has an empty split")
+        train_idx = subsample(
+            dom.train.labels, dcfg.train_fraction, rng, max_count=dcfg.max_train_per_domain
+        )
+        test_idx = np.arange(len(dom.test))
+        if dcfg.max_test_per_domain is not None and len(test_idx) > dcfg.max_test_per_domain:
+            test_idx = np.sort(rng.choice(test_idx, dcfg.max_test_per_domain, replace=False))
+        train_images = dom.train.images[train_idx]
+        test_images = dom.test.images[test_idx]
+        train_z = cached_features(
+            home, backbone, dataset.name, dom.name, "train", train_images, use_cache=use_cache
+        )
+        test_z = cached_features(
+            home, backbone, dataset.name, dom.name, "test", test_images, use_cache=use_cache
+        )
+        train_y_all = dom.train.labels[train_idx].astype(np.int64)
+        test_y = torch.from_numpy(dom.test.labels[test_idx].astype(np.int64))
+        for labels, name in ((train_y_all, "train"), (test_y.numpy(), "test")):
+            bad = (labels < 0) | (labels >= dataset.num_classes)
+            if bad.any():
+                raise ValueError(
+                    f"data set {dataset.name!r}, domain {dom.name!r}, {name} split: "
+                    f"{int(bad.sum())} labels outside 0..{dataset.num_classes - 1}"
+                )
+        k = dcfg.clients_per_domain
+        local = np.arange(len(train_idx))
+        if k == 1:
+            shards = [local]
+        elif dcfg.partition == "dirichlet":
+            shards = dirichlet_split(
+                local, train_y_all, k, dcfg.dirichlet_alpha, rng, min_size=dcfg.min_client_size
+            )
+        else:
+            shards = equal_shards(local, k, rng)
+        for j, shard in enumerate(shards):
+            cid = len(clients)
+            clients.append(
+                ClientData(
+                    client=cid,
+                    name=dom.name if k == 1 else f"{dom.name}-{j}",
+                    domain=d_index,
+                    domain_name=dom.name,
+                    train_z=train_z[shard],
+                    train_y=torch.from_numpy(train_y_all[shard]),
+                    test_z=test_z,
+                    test_y=test_y,
+                    train_indices=train_idx[shard],
+                )
+            )
+        log.info(
+            "domain %s: %d train (of %d), %d test, %d client(s)",
+            dom.name, len(train_idx), len(dom.train), len(test_idx), k,
+        )
+    return FederatedData(
+        clients=clients,
+        classes=dataset.classes,
+        domains=tuple(d.name for d in domains),
+        feature_dim=backbone.feature_dim,
+        dataset=dataset.name,
+        real_domains={d.name: d.real for d in domains},
+    )

@@ -1,0 +1,223 @@
+"""The method contract: a client objective plus a server aggregator, with defaults and a name.
+
+A method never runs an engine loop. The engine (``protofl.engine``) calls, per round:
+
+1. ``upload_features`` on every client (no grad) and passes them through the privacy mechanism
+   (with ``cluster_fn`` when the method releases several prototypes per class);
+2. ``aggregate`` on the server with every client's :class:`Upload`, giving the broadcast
+   :data:`GlobalState`;
+3. ``begin_local``, ``client_loss`` for every local batch, then ``end_local``;
+4. if ``shares_weights``, the engine averages the trainable weights (``weight_average``);
+5. ``predict`` on each client's test set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from protofl.models.client import ClientModel
+from protofl.privacy.base import ClusterFn, Release
+from protofl.registry import Registry, nearest
+
+GlobalState = dict[str, torch.Tensor]
+"""What the server broadcasts: named tensors (global prototypes, their classes, ...)."""
+
+
+@dataclass
+class Upload:
+    """One client's message to the server in one round."""
+
+    client: int
+    domain: int
+    release: Release | None
+    num_samples: int
+    weights: dict[str, torch.Tensor] | None = None
+
+
+@dataclass
+class Batch:
+    """One local training batch as the method's objective sees it.
+
+    ``f`` is the feature the objective should use (soft-clipped when DCR is on), ``f_raw`` the
+    feature before DCR, ``logits`` the head's output on ``f``.
+    """
+
+    z: torch.Tensor
+    y: torch.Tensor
+    f: torch.Tensor
+    f_raw: torch.Tensor
+    logits: torch.Tensor
+    model: ClientModel
+    client: int
+    domain: int
+
+
+@dataclass
+class ClientState:
+    """Per-client state a method keeps between rounds (tensors only, so it serialises)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Method:
+    """Base class; subclasses set ``name``, ``defaults`` and override the hooks they need."""
+
+    name: ClassVar[str] = "base"
+    defaults: ClassVar[dict[str, Any]] = {}
+    uses_prototypes: bool = True
+    shares_weights: bool = False
+    needs_domain: bool = False
+    eval_modes: ClassVar[tuple[str, ...]] = ("classifier",)
+
+    def __init__(
+        self,
+        params: Mapping[str, Any] | None = None,
+        *,
+        num_classes: int,
+        num_domains: int,
+        proto_dim: int,
+    ) -> None:
+        params = dict(params or {})
+        allowed = {**self.defaults, "eval": self.eval_modes[0]}
+        for key in params:
+            if key not in allowed:
+                raise ValueError(
+                    f"method {self.name!r} has no parameter {key!r}"
+                    f"{nearest(key, list(allowed))}; its parameters: {', '.join(sorted(allowed))}"
+                )
+        self.params: dict[str, Any] = {**allowed, **params}
+        if self.params["eval"] not in self.eval_modes:
+            raise ValueError(
+                f"method {self.name!r}: eval={self.params['eval']!r} is not one of "
+                f"{', '.join(self.eval_modes)}"
+            )
+        self.num_classes = num_classes
+        self.num_domains = num_domains
+        self.proto_dim = proto_dim
+        self.server_state: dict[str, torch.Tensor] = {}
+        self.validate()
+
+    def validate(self) -> None:
+        """Check hyperparameter ranges; raise ValueError naming the parameter."""
+
+    # ----- client side ----------------------------------------------------------------------
+    def cluster_fn(self) -> ClusterFn | None:
+        """Per-class clustering of clipped features for multi-prototype releases (None: means)."""
+        return None
+
+    def upload_features(self, model: ClientModel, z: torch.Tensor) -> torch.Tensor:
+        """Features whose prototypes are released (default: the adapter feature f)."""
+        return model.features(z)
+
+    def begin_local(
+        self, model: ClientModel, state: ClientState, global_state: GlobalState, client: int
+    ) -> None:
+        """Called once per round before local training (snapshot models, cache targets)."""
+
+    def end_local(
+        self, model: ClientModel, state: ClientState, global_state: GlobalState, client: int
+    ) -> None:
+        """Called once per round after local training, before any weight averaging."""
+
+    def client_loss(self, batch: Batch, global_state: GlobalState, state: ClientState) -> torch.Tensor:
+        """The local objective on one batch (default: cross-entropy)."""
+        return F.cross_entropy(batch.logits, batch.y)
+
+    # ----- server side ----------------------------------------------------------------------
+    def aggregate(self, uploads: Sequence[Upload], round_index: int) -> GlobalState:
+        """Uploads -> global state (default: nothing shared)."""
+        return {}
+
+    # ----- evaluation -----------------------------------------------------------------------
+    def predict(
+        self,
+        model: ClientModel,
+        z: torch.Tensor,
+        global_state: GlobalState,
+        state: ClientState,
+    ) -> torch.Tensor:
+        """Predicted labels for cached representations ``z`` (default: classifier head)."""
+        _, logits = model(z)
+        return logits.argmax(dim=1)
+
+    # ----- state ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Server-side method state (e.g. a trained generator) for checkpoints."""
+        return dict(self.server_state)
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore server-side state."""
+        self.server_state = dict(state)
+
+
+METHOD_REGISTRY: Registry[type[Method]] = Registry("method")
+
+
+def create_method(
+    name: str,
+    params: Mapping[str, Any] | None,
+    *,
+    num_classes: int,
+    num_domains: int,
+    proto_dim: int,
+) -> Method:
+    """Instantiate a registered method with validated parameters."""
+    cls = METHOD_REGISTRY.get(name)
+    return cls(params, num_classes=num_classes, num_domains=num_domains, proto_dim=proto_dim)
+
+
+# ----- shared helpers used by several methods ---------------------------------------------
+def class_weighted_mean(uploads: Sequence[Upload], num_classes: int, dim: int) -> GlobalState:
+    """Per-class mean of uploaded prototypes weighted by their counts, over clients with the class.
+
+    Returns ``prototypes`` [K, d] and ``classes`` [K] for the K classes present anywhere.
+    This is a prototype bank merge: sums and counts add, so it is order-free.
+    """
+    sums = torch.zeros(num_classes, dim)
+    counts = torch.zeros(num_classes)
+    for up in uploads:
+        if up.release is None:
+            continue
+        r = up.release
+        w = r.counts.to(sums.dtype)
+        sums.index_add_(0, r.classes, r.prototypes.to(sums.dtype) * w[:, None])
+        counts.index_add_(0, r.classes, w)
+    present = counts > 0
+    classes = torch.nonzero(present).flatten()
+    return {"prototypes": sums[classes] / counts[classes, None], "classes": classes}
+
+
+def class_uniform_mean(uploads: Sequence[Upload], num_classes: int, dim: int) -> GlobalState:
+    """Per-class unweighted mean over the clients that uploaded the class (FedProto original)."""
+    sums = torch.zeros(num_classes, dim)
+    counts = torch.zeros(num_classes)
+    for up in uploads:
+        if up.release is None:
+            continue
+        r = up.release
+        # several prototypes of one class from one client (clusters) count as their mean
+        per_class = torch.zeros(num_classes, dim).index_add_(0, r.classes, r.prototypes)
+        n = torch.zeros(num_classes).index_add_(0, r.classes, torch.ones(len(r.classes)))
+        has = n > 0
+        sums[has] += per_class[has] / n[has, None]
+        counts[has] += 1
+    present = counts > 0
+    classes = torch.nonzero(present).flatten()
+    return {"prototypes": sums[classes] / counts[classes, None], "classes": classes}
+
+
+def lookup_targets(
+    global_state: GlobalState, y: torch.Tensor, num_classes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample global prototype of its class, and a mask of samples whose class has one."""
+    protos, classes = global_state["prototypes"], global_state["classes"]
+    table = torch.zeros(num_classes, protos.shape[1], dtype=protos.dtype)
+    has = torch.zeros(num_classes, dtype=torch.bool)
+    table[classes] = protos
+    has[classes] = True
+    return table[y], has[y]

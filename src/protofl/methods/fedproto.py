@@ -1,0 +1,77 @@
+"""FedProto (Tan et al., AAAI 2022) and the non-federated ``local`` baseline."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from protofl.methods.base import (
+    METHOD_REGISTRY,
+    Batch,
+    ClientState,
+    GlobalState,
+    Method,
+    Upload,
+    class_uniform_mean,
+    class_weighted_mean,
+    lookup_targets,
+)
+
+
+@METHOD_REGISTRY.register("local")
+class Local(Method):
+    """Each client trains alone on its own data: no uploads, no federation."""
+
+    name = "local"
+    uses_prototypes = False
+
+
+@METHOD_REGISTRY.register("fedproto")
+class FedProto(Method):
+    """Class-mean prototypes; the server averages them; clients add ``lam * MSE(f, G_y)``.
+
+    ``weighting``: ``counts`` (default: per-class counts over the clients that have the class)
+    or ``uniform`` (the original FedProto code's unweighted mean over clients).
+    """
+
+    name = "fedproto"
+    defaults: ClassVar[dict[str, Any]] = {"lam": 0.1, "weighting": "counts"}
+    eval_modes = ("classifier", "prototype")
+
+    def validate(self) -> None:
+        """``lam`` >= 0; ``weighting`` in counts|uniform."""
+        if not float(self.params["lam"]) >= 0:
+            raise ValueError(f"fedproto.lam={self.params['lam']!r} must be >= 0")
+        if self.params["weighting"] not in ("counts", "uniform"):
+            raise ValueError(
+                f"fedproto.weighting={self.params['weighting']!r}; choose counts or uniform"
+            )
+
+    def aggregate(self, uploads: Sequence[Upload], round_index: int) -> GlobalState:
+        """Per-class mean of the uploaded prototypes over the clients that have the class."""
+        if self.params["weighting"] == "uniform":
+            return class_uniform_mean(uploads, self.num_classes, self.proto_dim)
+        return class_weighted_mean(uploads, self.num_classes, self.proto_dim)
+
+    def client_loss(self, batch: Batch, global_state: GlobalState, state: ClientState) -> torch.Tensor:
+        """CE + lam * MSE(f, G_y) over the samples whose class has a global prototype."""
+        loss = F.cross_entropy(batch.logits, batch.y)
+        if not global_state or len(global_state["classes"]) == 0:
+            return loss
+        target, mask = lookup_targets(global_state, batch.y, self.num_classes)
+        if mask.any():
+            loss = loss + float(self.params["lam"]) * F.mse_loss(batch.f[mask], target[mask])
+        return loss
+
+    def predict(
+        self, model: Any, z: torch.Tensor, global_state: GlobalState, state: ClientState
+    ) -> torch.Tensor:
+        """Classifier head, or nearest global prototype (L2) with ``eval: prototype``."""
+        if self.params["eval"] == "classifier" or not global_state:
+            return super().predict(model, z, global_state, state)
+        f = model.features(z)
+        dist = torch.cdist(f, global_state["prototypes"])
+        return global_state["classes"][dist.argmin(dim=1)]

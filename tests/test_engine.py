@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from protofl.cli import main
+from protofl.config import ExperimentConfig
+from protofl.engine.runner import run_experiment
+
+
+def _toy(rounds: int = 2, **extra: str) -> ExperimentConfig:
+    over = [
+        "data.name=toy", "data.train_fraction=1", "backbone.name=pixels",
+        "backbone.image_size=16", "backbone.proto_dim=32", f"federation.rounds={rounds}",
+        "run.progress=false",
+    ] + [f"{k}={v}" for k, v in extra.items()]
+    return ExperimentConfig().with_overrides(over)
+
+
+def test_run_folder_has_config_metrics_summary_and_log(tmp_path: Path) -> None:
+    result = run_experiment(_toy(), out=tmp_path)
+    d = result.run_dir
+    assert d.parent == tmp_path
+    for name in ("config.yaml", "metrics.jsonl", "summary.json", "run.log", "artifacts.pt"):
+        assert (d / name).exists(), name
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2]
+    assert set(rows[0]["acc"]) == {"red", "green", "blue", "grey"}
+    summary = json.loads((d / "summary.json").read_text())
+    assert 0 <= summary["avg_acc"] <= 1 and summary["rounds"] == 2
+    assert summary["privacy"]["mechanism"] == "none"
+    assert ExperimentConfig.from_yaml(d / "config.yaml") == _toy()
+
+
+def test_same_seed_same_numbers_other_seed_other_numbers(tmp_path: Path) -> None:
+    keys = ("acc", "avg_acc", "std_acc", "final_train_loss", "client_acc")
+    a = run_experiment(_toy(), out=tmp_path).summary
+    b = run_experiment(_toy(), out=tmp_path).summary
+    c = run_experiment(_toy(seed="3"), out=tmp_path).summary
+    assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    assert a["final_train_loss"] != c["final_train_loss"]
+
+
+def test_several_clients_per_domain_and_dirichlet(tmp_path: Path) -> None:
+    cfg = _toy(**{"data.clients_per_domain": "2", "data.partition": "dirichlet",
+                  "data.dirichlet_alpha": "1.0"})
+    result = run_experiment(cfg, out=tmp_path)
+    assert len(result.summary["clients"]) == 8
+    assert set(result.summary["acc"]) == {"red", "green", "blue", "grey"}
+    assert sum(result.summary["num_train"].values()) == 4 * 4 * 40
+
+
+def test_fedproto_beats_nothing_on_toy(tmp_path: Path) -> None:
+    result = run_experiment(_toy(rounds=3), out=tmp_path)
+    assert result.summary["avg_acc"] > 0.5  # chance is 0.25
+
+
+def test_cli_run_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["run", "--quiet", "--json", "--out", str(tmp_path), "--set", "data.name=toy",
+                 "--set", "backbone.name=pixels", "--set", "backbone.image_size=16",
+                 "--set", "federation.rounds=1"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert Path(out["run_dir"]).exists()
+    assert main(["run", "--set", "method.name=fedprot"]) == 2
+    assert "did you mean 'fedproto'" in capsys.readouterr().err
+    assert main(["run", "--set", "data.name=nope"]) == 2
+    assert "valid data sets" in capsys.readouterr().err
+    assert main(["run", "--set", "federation.rounds=0"]) == 2
+    assert "federation.rounds" in capsys.readouterr().err
+
+
+def test_cli_datasets_lists_availability(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["datasets"]) == 0
+    out = capsys.readouterr().out
+    assert "toy" in out and "available" in out
+
+
+def test_features_not_finite_is_caught() -> None:
+    from protofl.privacy.base import NoPrivacy
+    from protofl.privacy.config import PrivacyConfig
+
+    mech = NoPrivacy(PrivacyConfig(), rounds=1, dim=2)
+    with pytest.raises(ValueError, match="client 'mnist'"):
+        mech.release(torch.tensor([[float("nan"), 0.0]]), torch.tensor([0]), num_classes=1,
+                     generator=torch.Generator(), client="mnist")

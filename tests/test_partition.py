@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from protofl.data.partition import PartitionError, dirichlet_split, equal_shards, subsample
+
+
+def test_subsample_is_stratified_and_deterministic() -> None:
+    labels = np.repeat(np.arange(10), 100)
+    a = subsample(labels, 0.1, np.random.default_rng(0))
+    b = subsample(labels, 0.1, np.random.default_rng(0))
+    assert np.array_equal(a, b)
+    assert len(a) == 100
+    assert np.all(np.bincount(labels[a]) == 10)
+    assert len(np.unique(a)) == len(a)
+
+
+def test_subsample_fraction_one_and_cap() -> None:
+    labels = np.repeat(np.arange(4), 5)
+    assert np.array_equal(subsample(labels, 1.0, np.random.default_rng(0)), np.arange(20))
+    assert len(subsample(labels, 1.0, np.random.default_rng(0), max_count=8)) == 8
+
+
+def test_equal_shards_cover_everything_once() -> None:
+    idx = np.arange(103)
+    shards = equal_shards(idx, 4, np.random.default_rng(1))
+    assert sorted(np.concatenate(shards).tolist()) == idx.tolist()
+    assert {len(s) for s in shards} <= {25, 26}
+    with pytest.raises(PartitionError, match="3 samples"):
+        equal_shards(np.arange(3), 4, np.random.default_rng(0))
+
+
+def test_dirichlet_split_respects_minimum_and_fails_with_numbers() -> None:
+    labels = np.repeat(np.arange(10), 50)
+    idx = np.arange(500)
+    shards = dirichlet_split(idx, labels, 5, 0.5, np.random.default_rng(0), min_size=10)
+    assert sum(len(s) for s in shards) == 500
+    assert min(len(s) for s in shards) >= 10
+    with pytest.raises(PartitionError, match=r"after 5 tries \(minimum 60\)"):
+        dirichlet_split(idx, labels, 8, 0.01, np.random.default_rng(0), min_size=60, max_tries=5)
+    with pytest.raises(PartitionError, match="cannot give 20 clients"):
+        dirichlet_split(idx[:10], labels[:10], 20, 1.0, np.random.default_rng(0))
