@@ -42,6 +42,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; cache files are ordinary files
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
