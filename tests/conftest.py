@@ -9,7 +9,9 @@ import torch
 
 
 @pytest.fixture(autouse=True)
-def _isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+def _isolated_home(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> Path:
     home = tmp_path_factory.mktemp("protofl-home")
     monkeypatch.setenv("PROTOFL_HOME", str(home))
     torch.set_num_threads(1)

@@ -17,7 +17,9 @@ def test_home_follows_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert protofl_home() == tmp_path
 
 
-def test_save_load_and_corruption_is_detected(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_save_load_and_corruption_is_detected(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "x.npz"
     save_arrays(path, a=np.arange(5))
     assert verify_checksum(path)

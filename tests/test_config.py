@@ -60,7 +60,7 @@ def test_unknown_key_names_key_and_nearest() -> None:
 
 
 def test_wrong_type_is_reported() -> None:
-    with pytest.raises(ConfigError, match="federation.rounds must be an integer"):
+    with pytest.raises(ConfigError, match=r"federation\.rounds must be an integer"):
         ExperimentConfig().with_overrides(["federation.rounds=two"])
 
 

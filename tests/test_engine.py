@@ -13,8 +13,12 @@ from protofl.engine.runner import run_experiment
 
 def _toy(rounds: int = 2, **extra: str) -> ExperimentConfig:
     over = [
-        "data.name=toy", "data.train_fraction=1", "backbone.name=pixels",
-        "backbone.image_size=16", "backbone.proto_dim=32", f"federation.rounds={rounds}",
+        "data.name=toy",
+        "data.train_fraction=1",
+        "backbone.name=pixels",
+        "backbone.image_size=16",
+        "backbone.proto_dim=32",
+        f"federation.rounds={rounds}",
         "run.progress=false",
     ] + [f"{k}={v}" for k, v in extra.items()]
     return ExperimentConfig().with_overrides(over)
@@ -45,8 +49,13 @@ def test_same_seed_same_numbers_other_seed_other_numbers(tmp_path: Path) -> None
 
 
 def test_several_clients_per_domain_and_dirichlet(tmp_path: Path) -> None:
-    cfg = _toy(**{"data.clients_per_domain": "2", "data.partition": "dirichlet",
-                  "data.dirichlet_alpha": "1.0"})
+    cfg = _toy(
+        **{
+            "data.clients_per_domain": "2",
+            "data.partition": "dirichlet",
+            "data.dirichlet_alpha": "1.0",
+        }
+    )
     result = run_experiment(cfg, out=tmp_path)
     assert len(result.summary["clients"]) == 8
     assert set(result.summary["acc"]) == {"red", "green", "blue", "grey"}
@@ -59,9 +68,23 @@ def test_fedproto_beats_nothing_on_toy(tmp_path: Path) -> None:
 
 
 def test_cli_run_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["run", "--quiet", "--json", "--out", str(tmp_path), "--set", "data.name=toy",
-                 "--set", "backbone.name=pixels", "--set", "backbone.image_size=16",
-                 "--set", "federation.rounds=1"])
+    code = main(
+        [
+            "run",
+            "--quiet",
+            "--json",
+            "--out",
+            str(tmp_path),
+            "--set",
+            "data.name=toy",
+            "--set",
+            "backbone.name=pixels",
+            "--set",
+            "backbone.image_size=16",
+            "--set",
+            "federation.rounds=1",
+        ]
+    )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert Path(out["run_dir"]).exists()
@@ -85,5 +108,10 @@ def test_features_not_finite_is_caught() -> None:
 
     mech = NoPrivacy(PrivacyConfig(), rounds=1, dim=2)
     with pytest.raises(ValueError, match="client 'mnist'"):
-        mech.release(torch.tensor([[float("nan"), 0.0]]), torch.tensor([0]), num_classes=1,
-                     generator=torch.Generator(), client="mnist")
+        mech.release(
+            torch.tensor([[float("nan"), 0.0]]),
+            torch.tensor([0]),
+            num_classes=1,
+            generator=torch.Generator(),
+            client="mnist",
+        )

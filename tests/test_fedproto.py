@@ -12,8 +12,14 @@ from protofl.privacy.base import Release
 
 def _release(protos: list[list[float]], classes: list[int], counts: list[int]) -> Release:
     p = torch.tensor(protos)
-    return Release(p, torch.tensor(classes), torch.tensor(counts),
-                   torch.zeros(len(classes)), torch.zeros_like(p), "none")
+    return Release(
+        p,
+        torch.tensor(classes),
+        torch.tensor(counts),
+        torch.zeros(len(classes)),
+        torch.zeros_like(p),
+        "none",
+    )
 
 
 def test_aggregation_weights_by_counts_over_clients_with_the_class() -> None:
@@ -26,8 +32,9 @@ def test_aggregation_weights_by_counts_over_clients_with_the_class() -> None:
     assert g["classes"].tolist() == [0, 1]  # class 2 missing everywhere: not invented
     # class 0: (1*[1,0] + 3*[3,0]) / 4 = [2.5, 0]; class 1 only from client 0
     assert torch.allclose(g["prototypes"], torch.tensor([[2.5, 0.0], [0.0, 2.0]]))
-    u = create_method("fedproto", {"weighting": "uniform"}, num_classes=3, num_domains=2,
-                      proto_dim=2).aggregate(ups, 0)
+    u = create_method(
+        "fedproto", {"weighting": "uniform"}, num_classes=3, num_domains=2, proto_dim=2
+    ).aggregate(ups, 0)
     assert torch.allclose(u["prototypes"][0], torch.tensor([2.0, 0.0]))
 
 
@@ -46,15 +53,14 @@ def test_loss_is_ce_plus_lambda_mse_on_samples_with_a_prototype() -> None:
 
 
 def test_unknown_method_parameter_is_named() -> None:
-    with pytest.raises(ValueError, match="no parameter 'lamda'.*did you mean 'lam'"):
+    with pytest.raises(ValueError, match=r"no parameter 'lamda'.*did you mean 'lam'"):
         create_method("fedproto", {"lamda": 1}, num_classes=2, num_domains=1, proto_dim=2)
 
 
 def test_prototype_evaluation_uses_nearest_global_prototype() -> None:
     from protofl.config import BackboneConfig
 
-    m = create_method("fedproto", {"eval": "prototype"}, num_classes=2, num_domains=1,
-                      proto_dim=2)
+    m = create_method("fedproto", {"eval": "prototype"}, num_classes=2, num_domains=1, proto_dim=2)
     model = ClientModel(2, 2, BackboneConfig(proto_dim=2, adapter_hidden=1))
     with torch.no_grad():
         model.proj.weight.copy_(torch.eye(2))

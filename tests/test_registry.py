@@ -23,7 +23,10 @@ def test_unknown_method_dataset_backbone_list_valid_names() -> None:
     from protofl.methods import METHOD_REGISTRY
     from protofl.models.backbones import BACKBONE_REGISTRY
 
-    for reg, valid in ((METHOD_REGISTRY, "fedproto"), (DATASET_REGISTRY, "toy"),
-                       (BACKBONE_REGISTRY, "efficientnet_lite0")):
+    for reg, valid in (
+        (METHOD_REGISTRY, "fedproto"),
+        (DATASET_REGISTRY, "toy"),
+        (BACKBONE_REGISTRY, "efficientnet_lite0"),
+    ):
         with pytest.raises(ValueError, match=valid):
             reg.get("nonsense")

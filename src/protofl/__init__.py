@@ -1,3 +1,3 @@
-"""protofl: privacy-preserving, prototype-based personalized federated learning under domain shift."""
+"""protofl: privacy-preserving prototype-based personalized FL under domain shift."""
 
 __version__ = "0.1.0"

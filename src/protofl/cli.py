@@ -15,9 +15,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from protofl.engine.runner import run_experiment
     from protofl.report.console import print_summary
 
-    config = ExperimentConfig.from_yaml(args.config) if args.config else ExperimentConfig()
-    config = config.with_overrides(args.set or [])
-    result = run_experiment(config, out=args.out, progress=not args.quiet)
+    if args.resume:
+        from protofl.engine.runner import resume_experiment
+
+        if args.config or args.set:
+            raise ValueError("--resume continues a run with its saved config; drop CONFIG/--set")
+        result = resume_experiment(args.resume, progress=not args.quiet)
+    else:
+        config = ExperimentConfig.from_yaml(args.config) if args.config else ExperimentConfig()
+        config = config.with_overrides(args.set or [])
+        result = run_experiment(config, out=args.out, progress=not args.quiet)
     if args.json:
         print(json.dumps({"run_dir": str(result.run_dir), **result.summary}, indent=2))
     else:
@@ -38,8 +45,9 @@ def _cmd_datasets(args: argparse.Namespace) -> int:
         table.add_column(col)
     for name in DATASET_REGISTRY:
         info = DATASET_REGISTRY.get(name)
-        table.add_row(name, "yes" if info.is_available(home) else "no", info.description,
-                      info.how_to_get)
+        table.add_row(
+            name, "yes" if info.is_available(home) else "no", info.description, info.how_to_get
+        )
     Console(width=160).print(table)
     return 0
 
@@ -61,9 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run an experiment (default: fedproto on digits4)")
     run.add_argument("config", nargs="?", help="experiment YAML (default: the embedded default)")
-    run.add_argument("--set", action="append", metavar="KEY=VALUE",
-                     help="override a config key, e.g. federation.rounds=2 (repeatable)")
+    run.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. federation.rounds=2 (repeatable)",
+    )
     run.add_argument("--out", help="folder that receives the run folder (default: run.out_dir)")
+    run.add_argument(
+        "--resume", metavar="RUN_DIR", help="continue a stopped run from its last complete round"
+    )
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
     run.set_defaults(func=_cmd_run)
@@ -94,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"protofl: error: {exc}", file=sys.stderr)
         return 2
 

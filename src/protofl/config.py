@@ -67,6 +67,10 @@ class DataConfig:
     partition: str = "domain"
     dirichlet_alpha: float = 0.5
     min_client_size: int = 1
+    allocation: str | None = None
+    preset: str | None = None
+    holdout_domain: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_range("data.train_fraction", self.train_fraction, low=0.0, high=1.0, low_open=True)
@@ -108,7 +112,9 @@ class FederationConfig:
     batch_size: int = 64
     lr: float = 1e-3
     weight_decay: float = 1e-5
-    eval_every: int = 1
+    participation: float = 1.0
+    dropout: float = 0.0
+    checkpoint: bool = True
 
     def __post_init__(self) -> None:
         check_range("federation.rounds", self.rounds, low=1)
@@ -116,7 +122,10 @@ class FederationConfig:
         check_range("federation.batch_size", self.batch_size, low=1)
         check_range("federation.lr", self.lr, low=0.0, low_open=True)
         check_range("federation.weight_decay", self.weight_decay, low=0.0)
-        check_range("federation.eval_every", self.eval_every, low=1)
+        check_range(
+            "federation.participation", self.participation, low=0.0, high=1.0, low_open=True
+        )
+        check_range("federation.dropout", self.dropout, low=0.0, high=1.0, high_open=True)
 
 
 @dataclass(frozen=True)
@@ -134,7 +143,7 @@ class RunConfig:
     out_dir: str = "runs"
     save_releases: bool = True
     progress: bool = True
-    threads: int | None = None
+    threads: int | None = None  # None: all cores for feature extraction, 1 for training
 
     def __post_init__(self) -> None:
         if self.threads is not None:

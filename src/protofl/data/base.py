@@ -13,15 +13,24 @@ from protofl.registry import Registry
 
 @dataclass(frozen=True)
 class DomainSplit:
-    """Images (uint8, [N, H, W, 3]) and labels (int64, [N]) of one split of one domain."""
+    """Inputs and labels (int64, [N]) of one split of one domain.
+
+    ``images`` holds uint8 images [N, H, W, 3], or for text data sets a 1-D object array of str
+    (the backbone decides how to encode them).
+    """
 
     images: np.ndarray
     labels: np.ndarray
 
     def __post_init__(self) -> None:
-        if self.images.ndim != 4 or self.images.shape[-1] != 3 or self.images.dtype != np.uint8:
+        is_image = (
+            self.images.ndim == 4 and self.images.shape[-1] == 3 and self.images.dtype == np.uint8
+        )
+        is_text = self.images.ndim == 1 and self.images.dtype == object
+        if not (is_image or is_text):
             raise ValueError(
-                f"images must be uint8 [N, H, W, 3], got {self.images.dtype} {self.images.shape}"
+                "inputs must be uint8 images [N, H, W, 3] or a 1-D object array of str, got "
+                f"{self.images.dtype} {self.images.shape}"
             )
         if self.labels.shape != (self.images.shape[0],):
             raise ValueError("labels must have one entry per image")
@@ -70,7 +79,7 @@ class DatasetInfo:
     """Registry entry: how to load a data set and how a user gets it."""
 
     name: str
-    loader: Callable[[Path, str | None], MultiDomainDataset]
+    loader: Callable[..., MultiDomainDataset]
     description: str
     how_to_get: str
     is_available: Callable[[Path], bool]

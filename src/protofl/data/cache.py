@@ -67,7 +67,8 @@ def record_checksum(path: Path, digest: str | None = None) -> str:
     digest = digest or sha256_file(path)
     manifest = _read_manifest(path.parent)
     manifest[path.name] = digest
-    atomic_write_bytes(path.parent / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    text = json.dumps(manifest, indent=1, sort_keys=True)
+    atomic_write_bytes(path.parent / MANIFEST, text.encode())
     return digest
 
 

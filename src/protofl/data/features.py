@@ -15,11 +15,24 @@ from protofl.models.backbones import FrozenBackbone
 log = logging.getLogger(__name__)
 
 
+def input_digest(inputs: np.ndarray) -> str:
+    """Content hash of images (bytes) or texts (the strings themselves, not object pointers)."""
+    h = hashlib.sha256()
+    if inputs.dtype == object:
+        for text in inputs:
+            h.update(str(text).encode("utf-8"))
+            h.update(b"\x00")
+    else:
+        h.update(str(inputs.shape).encode())
+        h.update(np.ascontiguousarray(inputs).tobytes())
+    return h.hexdigest()[:16]
+
+
 def feature_cache_path(
     home: Path, backbone: FrozenBackbone, dataset: str, domain: str, split: str, images: np.ndarray
 ) -> Path:
     """Cache file for these exact images under this backbone (content-addressed)."""
-    digest = hashlib.sha256(np.ascontiguousarray(images).tobytes()).hexdigest()[:16]
+    digest = input_digest(images)
     return home / "features" / backbone.cache_key / dataset / f"{domain}-{split}-{digest}.npz"
 
 
@@ -42,7 +55,8 @@ def cached_features(
     feats = backbone.encode(images)
     if not torch.isfinite(feats).all():
         raise ValueError(
-            f"backbone {backbone.name!r} produced non-finite features for {dataset}/{domain}/{split}"
+            f"backbone {backbone.name!r} produced non-finite features for "
+            f"{dataset}/{domain}/{split}"
         )
     if use_cache:
         save_arrays(path, features=feats.numpy())

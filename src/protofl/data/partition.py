@@ -37,7 +37,8 @@ def equal_shards(
     """Shuffle and split into ``num_clients`` near-equal shards."""
     if len(indices) < num_clients:
         raise PartitionError(
-            f"cannot give {num_clients} clients at least one sample each from {len(indices)} samples"
+            f"cannot give {num_clients} clients at least one sample each "
+            f"from {len(indices)} samples"
         )
     perm = rng.permutation(indices)
     return [np.sort(s) for s in np.array_split(perm, num_clients)]

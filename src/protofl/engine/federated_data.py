@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,6 +51,7 @@ class FederatedData:
     feature_dim: int
     dataset: str
     real_domains: dict[str, bool]
+    holdout: tuple[str, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_classes(self) -> int:
@@ -56,10 +59,60 @@ class FederatedData:
         return len(self.classes)
 
 
+def data_preset(config: ExperimentConfig) -> dict[str, Any]:
+    """The values of ``data.preset`` for this data set (empty when no preset is named)."""
+    if config.data.preset is None:
+        return {}
+    from protofl.data.allocation import preset_values
+
+    return preset_values(config.data.preset, config.data.name)
+
+
 def load_dataset(config: ExperimentConfig, home: Path) -> MultiDomainDataset:
-    """Load the configured data set through the registry."""
+    """Load the configured data set through the registry, passing ``data.options``.
+
+    Loaders that accept them also get ``image_size`` (the backbone's input size, so large images
+    are resized once at load), ``holdout_domain`` and the preset's ``protocol``.
+    """
     info = DATASET_REGISTRY.get(config.data.name)
-    return info.loader(home, config.data.root)
+    params = inspect.signature(info.loader).parameters
+    open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs: dict[str, Any] = dict(config.data.options)
+    for key in kwargs:
+        if not open_kwargs and key not in params:
+            raise ValueError(
+                f"data set {config.data.name!r} has no option {key!r} (data.options.{key})"
+            )
+
+    def offer(key: str, value: Any) -> None:
+        if value is not None and (open_kwargs or key in params):
+            kwargs.setdefault(key, value)
+
+    offer("image_size", config.backbone.image_size)
+    offer("holdout_domain", config.data.holdout_domain)
+    offer("protocol", data_preset(config).get("protocol"))
+    return info.loader(home, config.data.root, **kwargs)
+
+
+def client_counts(config: ExperimentConfig, dataset: str, domains: list[str]) -> dict[str, int]:
+    """Clients per domain: ``data.allocation`` (a preset name or ``dom:count,...``), the
+    preset's allocation, or ``data.clients_per_domain`` each."""
+    spec: Any = config.data.allocation
+    if spec is None:
+        spec = data_preset(config).get("allocation")
+    if spec is None:
+        return {d: config.data.clients_per_domain for d in domains}
+    from protofl.data.allocation import resolve_allocation
+
+    if isinstance(spec, str) and ":" in spec:
+        try:
+            spec = {k.strip(): int(v) for k, v in (p.split(":") for p in spec.split(","))}
+        except ValueError:
+            raise ValueError(
+                f"data.allocation={config.data.allocation!r}: write a preset name or "
+                "'domain:count,domain:count'"
+            ) from None
+    return dict(resolve_allocation(spec, domains, config.data.clients_per_domain, dataset))
 
 
 def build_federated_data(
@@ -76,15 +129,36 @@ def build_federated_data(
     domains = list(dataset.domains)
     if dcfg.domains is not None:
         domains = [dataset.domain(name) for name in dcfg.domains]
+    holdout = None
+    if dcfg.holdout_domain is not None:
+        holdout = dataset.domain(dcfg.holdout_domain)
+        domains = [d for d in domains if d.name != holdout.name]
+        if not domains:
+            raise ValueError("data.holdout_domain leaves no domain to train on")
+    counts = client_counts(config, dataset.name, [d.name for d in domains])
+    preset = data_preset(config)
+    fraction = float(preset.get("train_fraction", dcfg.train_fraction))
+    per_client_fraction = preset.get("fraction_unit") == "client"
     rng = np.random.default_rng(np.random.SeedSequence([config.seed, 0xDA7A]))
     clients: list[ClientData] = []
     use_cache = config.backbone.feature_cache
     for d_index, dom in enumerate(domains):
         if len(dom.train) == 0 or len(dom.test) == 0:
             raise ValueError(f"data set {dataset.name!r}: domain {dom.name!r} has an empty split")
-        train_idx = subsample(
-            dom.train.labels, dcfg.train_fraction, rng, max_count=dcfg.max_train_per_domain
-        )
+        k = counts[dom.name]
+        if k == 0:
+            continue
+        drawn: list[np.ndarray] = []
+        if per_client_fraction:
+            # FedDAP: every client draws the fraction of its domain (disjoint shards)
+            from protofl.data.allocation import per_client_fraction_shards
+
+            drawn = per_client_fraction_shards(np.arange(len(dom.train)), k, fraction, rng)
+            train_idx = np.sort(np.concatenate(drawn))
+        else:
+            train_idx = subsample(
+                dom.train.labels, fraction, rng, max_count=dcfg.max_train_per_domain
+            )
         test_idx = np.arange(len(dom.test))
         if dcfg.max_test_per_domain is not None and len(test_idx) > dcfg.max_test_per_domain:
             test_idx = np.sort(rng.choice(test_idx, dcfg.max_test_per_domain, replace=False))
@@ -105,9 +179,11 @@ def build_federated_data(
                     f"data set {dataset.name!r}, domain {dom.name!r}, {name} split: "
                     f"{int(bad.sum())} labels outside 0..{dataset.num_classes - 1}"
                 )
-        k = dcfg.clients_per_domain
         local = np.arange(len(train_idx))
-        if k == 1:
+        if per_client_fraction:
+            position = {int(v): i for i, v in enumerate(train_idx)}
+            shards = [np.array([position[int(v)] for v in d], dtype=np.int64) for d in drawn]
+        elif k == 1:
             shards = [local]
         elif dcfg.partition == "dirichlet":
             shards = dirichlet_split(
@@ -132,9 +208,33 @@ def build_federated_data(
             )
         log.info(
             "domain %s: %d train (of %d), %d test, %d client(s)",
-            dom.name, len(train_idx), len(dom.train), len(test_idx), k,
+            dom.name,
+            len(train_idx),
+            len(dom.train),
+            len(test_idx),
+            k,
+        )
+    holdout_data = None
+    if holdout is not None:
+        h_idx = np.arange(len(holdout.test))
+        if dcfg.max_test_per_domain is not None and len(h_idx) > dcfg.max_test_per_domain:
+            h_idx = np.sort(rng.choice(h_idx, dcfg.max_test_per_domain, replace=False))
+        h_z = cached_features(
+            home,
+            backbone,
+            dataset.name,
+            holdout.name,
+            "test",
+            holdout.test.images[h_idx],
+            use_cache=use_cache,
+        )
+        holdout_data = (
+            holdout.name,
+            h_z,
+            torch.from_numpy(holdout.test.labels[h_idx].astype(np.int64)),
         )
     return FederatedData(
+        holdout=holdout_data,
         clients=clients,
         classes=dataset.classes,
         domains=tuple(d.name for d in domains),

@@ -17,6 +17,7 @@ import torch
 from protofl import __version__
 from protofl.config import ExperimentConfig
 from protofl.data.cache import protofl_home
+from protofl.engine.checkpoint import load_latest_checkpoint, save_checkpoint
 from protofl.engine.federated_data import FederatedData, build_federated_data
 from protofl.engine.simulation import RoundMetrics, Simulation, summarise
 
@@ -75,29 +76,71 @@ def run_experiment(
     data: FederatedData | None = None,
 ) -> RunResult:
     """Build the federation, run every round, and write the run folder."""
+    run_dir = make_run_dir(config, out)
+    (run_dir / "config.yaml").write_text(config.to_yaml())
+    return _execute(config, run_dir, home=home, progress=progress, data=data, resume=False)
+
+
+def resume_experiment(
+    run_dir: str | Path, *, home: Path | None = None, progress: bool | None = None
+) -> RunResult:
+    """Continue a stopped or killed run from its last complete round."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").exists():
+        raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
+    config = ExperimentConfig.from_yaml(run_dir / "config.yaml")
+    return _execute(config, run_dir, home=home, progress=progress, data=None, resume=True)
+
+
+def _execute(
+    config: ExperimentConfig,
+    run_dir: Path,
+    *,
+    home: Path | None,
+    progress: bool | None,
+    data: FederatedData | None,
+    resume: bool,
+) -> RunResult:
+    threads_before = torch.get_num_threads()
     if config.run.threads is not None:
         torch.set_num_threads(config.run.threads)
-    run_dir = make_run_dir(config, out)
     handler = _attach_log(run_dir)
     show = config.run.progress if progress is None else progress
     try:
-        (run_dir / "config.yaml").write_text(config.to_yaml())
         t0 = time.perf_counter()
         home = home or protofl_home()
         if data is None:
             data = build_federated_data(config, home)
         setup_s = time.perf_counter() - t0
         log.info("data ready in %.1fs: %d clients", setup_s, len(data.clients))
+        if config.run.threads is None:
+            # the trainable part is tiny: one intra-op thread avoids oversubscription (measured
+            # 10x faster per step on a loaded 2-core machine); extraction above used them all
+            torch.set_num_threads(1)
         sim = Simulation(config, data)
         metrics_path = run_dir / "metrics.jsonl"
+        if resume:
+            state = load_latest_checkpoint(run_dir)
+            if state is not None:
+                sim.load_state_dict(state)
+            log.info("resuming %s after round %d", run_dir, sim.round)
+            # metrics.jsonl may hold a round written after the last checkpoint: rewrite it
+            metrics_path.write_text("".join(json.dumps(m.to_json()) + "\n" for m in sim.history))
+        else:
+            metrics_path.write_text("")
 
         def on_round(m: RoundMetrics) -> None:
             with open(metrics_path, "a") as fh:
                 fh.write(json.dumps(m.to_json()) + "\n")
-            log.info("round %d: avg %.4f std %.4f loss %.4f", m.round, m.avg_acc, m.std_acc,
-                     m.train_loss)
+            if config.federation.checkpoint:
+                save_checkpoint(run_dir, m.round, sim.state_dict())
+            log.info(
+                "round %d: avg %.4f std %.4f loss %.4f", m.round, m.avg_acc, m.std_acc, m.train_loss
+            )
 
         history = _run_with_progress(sim, on_round, show)
+        if not history:
+            raise ValueError(f"{run_dir}: no round has run (federation.rounds reached?)")
         summary = summarise(history)
         summary.update(
             {
@@ -109,8 +152,11 @@ def run_experiment(
                 "clients": [c.data.name for c in sim.clients],
                 "num_train": {c.data.name: c.data.num_train for c in sim.clients},
                 "setup_s": setup_s,
-                "privacy": {**sim.mechanism.describe(), **sim.privacy_status(),
-                            "dcr": config.privacy.use_dcr},
+                "privacy": {
+                    **sim.mechanism.describe(),
+                    **sim.privacy_status(),
+                    "dcr": config.privacy.use_dcr,
+                },
                 "units": "accuracies are fractions in [0, 1]; tables show percentages",
                 "environment": environment(),
             }
@@ -120,6 +166,7 @@ def run_experiment(
             save_artifacts(sim, run_dir)
         return RunResult(run_dir=run_dir, summary=summary, history=history)
     finally:
+        torch.set_num_threads(threads_before)
         logging.getLogger("protofl").removeHandler(handler)
         handler.close()
 
@@ -129,10 +176,17 @@ def _run_with_progress(sim: Simulation, on_round: Any, show: bool) -> list[Round
         return sim.run(on_round=on_round)
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    cols = (TextColumn("[bold]rounds"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-            TextColumn("avg {task.fields[avg]}"), TimeElapsedColumn())
+    cols = (
+        TextColumn("[bold]rounds"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("avg {task.fields[avg]}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*cols, transient=False) as bar:
-        task = bar.add_task("rounds", total=sim.config.federation.rounds, avg="-")
+        task = bar.add_task(
+            "rounds", total=sim.config.federation.rounds, completed=sim.round, avg="-"
+        )
 
         def both(m: RoundMetrics) -> None:
             on_round(m)

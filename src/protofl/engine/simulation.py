@@ -17,7 +17,8 @@ from protofl.config import ExperimentConfig
 from protofl.engine.federated_data import ClientData, FederatedData
 from protofl.methods import create_method
 from protofl.methods.base import Batch, ClientState, GlobalState, Method, Upload
-from protofl.models.client import ClientModel, build_client_model
+from protofl.models.backbones import BACKBONE_REGISTRY
+from protofl.models.client import ClientModel
 from protofl.privacy import create_mechanism
 from protofl.privacy.base import Mechanism, Release
 from protofl.privacy.ledger import PrivacyLedger
@@ -29,7 +30,10 @@ EVAL_BATCH = 2048
 
 def derive_seed(seed: int, *keys: int) -> int:
     """A 63-bit seed derived from the experiment seed and a path of integer keys."""
-    return int(np.random.SeedSequence([seed, *keys]).generate_state(2, dtype=np.uint32).view(np.uint64)[0] >> 1)
+    return int(
+        np.random.SeedSequence([seed, *keys]).generate_state(2, dtype=np.uint32).view(np.uint64)[0]
+        >> 1
+    )
 
 
 @dataclass
@@ -58,6 +62,9 @@ class RoundMetrics:
     train_loss: float
     wall_s: float
     privacy: dict[str, Any] = field(default_factory=dict)
+    holdout_acc: float | None = None
+    participants: list[str] = field(default_factory=list)
+    rejected: list[dict[str, str]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe dict for metrics.jsonl."""
@@ -70,7 +77,15 @@ class RoundMetrics:
             "train_loss": self.train_loss,
             "wall_s": self.wall_s,
             "privacy": self.privacy,
+            "holdout_acc": self.holdout_acc,
+            "participants": self.participants,
+            "rejected": self.rejected,
         }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RoundMetrics:
+        """Inverse of :meth:`to_json`."""
+        return cls(**data)
 
 
 class Simulation:
@@ -94,14 +109,17 @@ class Simulation:
         )
         self.global_state: GlobalState = {}
         self.round = 0
-        init_gen = torch.Generator().manual_seed(derive_seed(config.seed, 1))
-        template = build_client_model(
-            data.feature_dim, data.num_classes, config.backbone, init_gen
-        )
+        backbone_cls = BACKBONE_REGISTRY.get(config.backbone.name)
+        init_seed = derive_seed(config.seed, 1)
         self.clients: list[Client] = []
         for cd in data.clients:
-            model = build_client_model(data.feature_dim, data.num_classes, config.backbone, init_gen)
-            model.load_state_dict(template.state_dict())
+            model: ClientModel = backbone_cls.client_model(  # type: ignore[assignment]
+                data.feature_dim,
+                data.num_classes,
+                config.backbone,
+                torch.Generator().manual_seed(init_seed),
+                client=cd.client,
+            )
             opt = torch.optim.AdamW(
                 model.trainable_parameters(), lr=fed.lr, weight_decay=fed.weight_decay
             )
@@ -125,15 +143,37 @@ class Simulation:
                 )
             )
         self.releases: list[list[Release | None]] = []
+        self.history: list[RoundMetrics] = []
+        self.server_gen = torch.Generator().manual_seed(derive_seed(config.seed, 4))
 
     # ----- one round --------------------------------------------------------------------------
-    def collect_uploads(self) -> list[Upload]:
-        """Every client computes features with its current model and releases prototypes."""
+    def select_participants(self) -> list[bool]:
+        """Which clients take part this round (seeded sampling, then independent dropout)."""
+        fed = self.config.federation
+        m = len(self.clients)
+        chosen = [True] * m
+        if fed.participation < 1.0:
+            k = max(1, math.ceil(fed.participation * m))
+            picked = torch.randperm(m, generator=self.server_gen)[:k].tolist()
+            chosen = [i in picked for i in range(m)]
+        if fed.dropout > 0:
+            drops = torch.rand(m, generator=self.server_gen) < fed.dropout
+            chosen = [ch and not bool(d) for ch, d in zip(chosen, drops)]
+        return chosen
+
+    def collect_uploads(self, active: Sequence[bool] | None = None) -> list[Upload]:
+        """Every active client computes features with its current model and releases prototypes.
+
+        A client that does not take part releases nothing and is charged nothing.
+        """
         uploads: list[Upload] = []
         cluster_fn = self.method.cluster_fn()
         round_releases: list[Release | None] = []
-        for c in self.clients:
+        for i, c in enumerate(self.clients):
             release = None
+            if active is not None and not active[i]:
+                round_releases.append(None)
+                continue
             if self.method.uses_prototypes:
                 c.model.eval()
                 with torch.no_grad():
@@ -174,8 +214,16 @@ class Simulation:
                 f_raw = c.model.features(z)
                 f = c.dcr.soft_clip(f_raw) if c.dcr is not None else f_raw
                 logits = c.model.head(f)
-                batch = Batch(z=z, y=y, f=f, f_raw=f_raw, logits=logits, model=c.model,
-                              client=c.data.client, domain=c.data.domain)
+                batch = Batch(
+                    z=z,
+                    y=y,
+                    f=f,
+                    f_raw=f_raw,
+                    logits=logits,
+                    model=c.model,
+                    client=c.data.client,
+                    domain=c.data.domain,
+                )
                 loss = self.method.client_loss(batch, self.global_state, c.state)
                 if c.dcr is not None:
                     loss = loss + c.dcr.kd_loss(f_raw, logits)
@@ -193,11 +241,12 @@ class Simulation:
         self.method.end_local(c.model, c.state, self.global_state, c.data.client)
         return total / max(steps, 1)
 
-    def average_weights(self) -> None:
-        """FedAvg of the trainable weights (sample-weighted) for methods that share weights."""
-        weights = torch.tensor([c.data.num_train for c in self.clients], dtype=torch.float64)
+    def average_weights(self, active: Sequence[bool] | None = None) -> None:
+        """FedAvg (sample-weighted) of the weights of the clients that trained; sent to all."""
+        members = [c for i, c in enumerate(self.clients) if active is None or active[i]]
+        weights = torch.tensor([c.data.num_train for c in members], dtype=torch.float64)
         weights = weights / weights.sum()
-        states = [c.model.state_dict() for c in self.clients]
+        states = [c.model.state_dict() for c in members]
         avg = {
             k: sum(float(w) * s[k].double() for w, s in zip(weights, states)).to(states[0][k].dtype)
             for k in states[0]
@@ -221,14 +270,34 @@ class Simulation:
             out[c.data.name] = correct / max(len(c.data.test_y), 1)
         return out
 
+    @torch.no_grad()
+    def evaluate_holdout(self) -> float | None:
+        """Mean accuracy of all clients on the held-out domain (leave-one-domain-out)."""
+        if self.data.holdout is None:
+            return None
+        _, z, y = self.data.holdout
+        accs = []
+        for c in self.clients:
+            c.model.eval()
+            correct = 0
+            for start in range(0, len(y), EVAL_BATCH):
+                pred = self.method.predict(
+                    c.model, z[start : start + EVAL_BATCH], self.global_state, c.state
+                )
+                correct += int((pred == y[start : start + EVAL_BATCH]).sum())
+            accs.append(correct / max(len(y), 1))
+        return float(np.mean(accs))
+
     def run_round(self) -> RoundMetrics:
         """One full round; returns its metrics."""
         t0 = time.perf_counter()
-        uploads = self.collect_uploads()
-        self.global_state = self.method.aggregate(uploads, self.round)
-        losses = [self.train_client(c) for c in self.clients]
-        if self.method.shares_weights:
-            self.average_weights()
+        active = self.select_participants()
+        uploads = self.collect_uploads(active)
+        accepted, rejected = self.validate(uploads)
+        self.global_state = self.method.aggregate(accepted, self.round)
+        losses = [self.train_client(c) for c, a in zip(self.clients, active) if a]
+        if self.method.shares_weights and any(active):
+            self.average_weights(active)
         client_acc = self.evaluate()
         per_domain: dict[str, list[float]] = {}
         for c in self.clients:
@@ -241,12 +310,42 @@ class Simulation:
             client_acc=client_acc,
             avg_acc=float(np.mean(values)),
             std_acc=float(np.std(values)),
-            train_loss=float(np.mean(losses)),
+            train_loss=float(np.mean(losses)) if losses else math.nan,
             wall_s=time.perf_counter() - t0,
             privacy=self.privacy_status(),
+            holdout_acc=self.evaluate_holdout(),
+            participants=[c.data.name for c, a in zip(self.clients, active) if a],
+            rejected=rejected,
         )
         self.round += 1
+        self.history.append(metrics)
         return metrics
+
+    def validate(self, uploads: list[Upload]) -> tuple[list[Upload], list[dict[str, str]]]:
+        """Server-side upload validation; rejected uploads are logged and left out."""
+        from protofl.methods.validation import validate_upload
+
+        accepted, rejected = [], []
+        for up in uploads:
+            client = self.clients[up.client]
+            reason = validate_upload(
+                up,
+                declared_domain=client.data.domain,
+                num_classes=self.data.num_classes,
+                dim=self.config.backbone.proto_dim,
+                norm_bound=self.mechanism.norm_bound,
+            )
+            if reason is None:
+                accepted.append(up)
+            else:
+                log.warning(
+                    "round %d: rejected upload of client %r: %s",
+                    self.round + 1,
+                    client.data.name,
+                    reason,
+                )
+                rejected.append({"client": client.data.name, "reason": reason})
+        return accepted, rejected
 
     def privacy_status(self) -> dict[str, Any]:
         """Epsilon spent per client (None without a guarantee) and the release facts."""
@@ -265,13 +364,84 @@ class Simulation:
     ) -> list[RoundMetrics]:
         """Run the remaining rounds (or ``rounds`` of them)."""
         todo = self.config.federation.rounds - self.round if rounds is None else rounds
-        history = []
         for _ in range(todo):
             m = self.run_round()
-            history.append(m)
             if on_round is not None:
                 on_round(m)
-        return history
+        return list(self.history)
+
+    # ----- checkpoint state ----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: models, optimisers, RNGs, ledgers, history."""
+        return {
+            "round": self.round,
+            "method": self.method.state_dict(),
+            "mechanism": self.mechanism.state_dict()
+            if hasattr(self.mechanism, "state_dict")
+            else {},
+            "global_state": self.global_state,
+            "server_gen": self.server_gen.get_state(),
+            "history": [m.to_json() for m in self.history],
+            "releases": [[release_to_dict(r) for r in rr] for rr in self.releases],
+            "clients": [
+                {
+                    "model": c.model.state_dict(),
+                    "optimizer": c.optimizer.state_dict(),
+                    "state": c.state.tensors,
+                    "ledger": c.ledger.state_dict(),
+                    "train_gen": c.train_gen.get_state(),
+                    "noise_gen": c.noise_gen.get_state(),
+                    "dcr": None if c.dcr is None else c.dcr.state_dict(),
+                }
+                for c in self.clients
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict` (the data must be rebuilt from the same config)."""
+        if len(state["clients"]) != len(self.clients):
+            raise ValueError(
+                f"checkpoint has {len(state['clients'])} clients, the config builds "
+                f"{len(self.clients)}"
+            )
+        self.round = int(state["round"])
+        self.method.load_state_dict(state["method"])
+        if hasattr(self.mechanism, "load_state_dict"):
+            self.mechanism.load_state_dict(state["mechanism"])
+        self.global_state = dict(state["global_state"])
+        self.server_gen.set_state(state["server_gen"])
+        self.history = [RoundMetrics.from_json(m) for m in state["history"]]
+        self.releases = [[release_from_dict(r) for r in rr] for rr in state["releases"]]
+        for c, cs in zip(self.clients, state["clients"]):
+            c.model.load_state_dict(cs["model"])
+            c.optimizer.load_state_dict(cs["optimizer"])
+            c.state.tensors = dict(cs["state"])
+            c.ledger.load_state_dict(cs["ledger"])
+            c.train_gen.set_state(cs["train_gen"])
+            c.noise_gen.set_state(cs["noise_gen"])
+            if c.dcr is not None:
+                c.dcr.load_state_dict(cs["dcr"])
+
+
+def release_to_dict(release: Release | None) -> dict[str, Any] | None:
+    """A Release as plain containers (safe for ``torch.load(weights_only=True)``)."""
+    if release is None:
+        return None
+    return {
+        "prototypes": release.prototypes,
+        "classes": release.classes,
+        "counts": release.counts,
+        "sensitivity": release.sensitivity,
+        "noise_std": release.noise_std,
+        "mechanism": release.mechanism,
+        "events": release.events,
+        "info": release.info,
+    }
+
+
+def release_from_dict(data: dict[str, Any] | None) -> Release | None:
+    """Inverse of :func:`release_to_dict`."""
+    return None if data is None else Release(**data)
 
 
 def summarise(history: Sequence[RoundMetrics]) -> dict[str, Any]:
@@ -286,6 +456,7 @@ def summarise(history: Sequence[RoundMetrics]) -> dict[str, Any]:
         "rounds": last.round,
         "wall_s": float(sum(h.wall_s for h in history)),
         "final_train_loss": last.train_loss,
+        "holdout_acc": last.holdout_acc,
     }
 
 

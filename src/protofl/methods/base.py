@@ -124,7 +124,9 @@ class Method:
     ) -> None:
         """Called once per round after local training, before any weight averaging."""
 
-    def client_loss(self, batch: Batch, global_state: GlobalState, state: ClientState) -> torch.Tensor:
+    def client_loss(
+        self, batch: Batch, global_state: GlobalState, state: ClientState
+    ) -> torch.Tensor:
         """The local objective on one batch (default: cross-entropy)."""
         return F.cross_entropy(batch.logits, batch.y)
 
@@ -209,6 +211,47 @@ def class_uniform_mean(uploads: Sequence[Upload], num_classes: int, dim: int) ->
     present = counts > 0
     classes = torch.nonzero(present).flatten()
     return {"prototypes": sums[classes] / counts[classes, None], "classes": classes}
+
+
+def class_robust_mean(
+    uploads: Sequence[Upload], num_classes: int, dim: int, rule: str, trim_ratio: float = 0.2
+) -> GlobalState:
+    """Per-class coordinate-wise ``median`` or ``trimmed_mean`` over the clients with the class.
+
+    Each client contributes one vector per class (the count-weighted mean of its prototypes of
+    that class), so a minority of poisoning clients cannot move a coordinate arbitrarily far.
+    ``trimmed_mean`` drops ``floor(trim_ratio * n)`` values at each end of every coordinate.
+    """
+    per_class: list[list[torch.Tensor]] = [[] for _ in range(num_classes)]
+    for up in uploads:
+        if up.release is None or up.release.num_prototypes == 0:
+            continue
+        r = up.release
+        w = r.counts.to(r.prototypes.dtype)
+        sums = torch.zeros(num_classes, dim, dtype=r.prototypes.dtype)
+        sums.index_add_(0, r.classes, r.prototypes * w[:, None])
+        n = torch.zeros(num_classes, dtype=r.prototypes.dtype).index_add_(0, r.classes, w)
+        for c in torch.nonzero(n > 0).flatten().tolist():
+            per_class[c].append(sums[c] / n[c])
+    classes = [c for c in range(num_classes) if per_class[c]]
+    protos = []
+    for c in classes:
+        stack = torch.stack(per_class[c]).float()
+        if rule == "median":
+            protos.append(
+                stack.median(dim=0).values if len(stack) % 2 else stack.quantile(0.5, dim=0)
+            )
+        elif rule == "trimmed_mean":
+            k = int(trim_ratio * len(stack))
+            ordered = stack.sort(dim=0).values
+            protos.append(ordered[k : len(stack) - k].mean(dim=0))
+        else:
+            raise ValueError(
+                f"unknown robust aggregation rule {rule!r}; use median or trimmed_mean"
+            )
+    if not classes:
+        return {"prototypes": torch.zeros(0, dim), "classes": torch.zeros(0, dtype=torch.long)}
+    return {"prototypes": torch.stack(protos), "classes": torch.tensor(classes)}
 
 
 def lookup_targets(

@@ -24,16 +24,26 @@ class CheckReport:
     avg_acc: list[float]
 
 
-def tiny_config(method: str, mechanism: str, params: dict[str, Any] | None = None,
-                rounds: int = 3, seed: int = 0) -> ExperimentConfig:
+def tiny_config(
+    method: str,
+    mechanism: str,
+    params: dict[str, Any] | None = None,
+    rounds: int = 3,
+    seed: int = 0,
+) -> ExperimentConfig:
     """Two clients' worth of work on the generated ``toy`` set with the fast ``pixels`` backbone."""
     return ExperimentConfig.from_dict(
         {
             "name": f"check-{method}-{mechanism}",
             "seed": seed,
             "data": {"name": "toy", "train_fraction": 1.0, "domains": ["red", "blue"]},
-            "backbone": {"name": "pixels", "image_size": 16, "proto_dim": 32,
-                         "adapter_hidden": 8, "feature_cache": False},
+            "backbone": {
+                "name": "pixels",
+                "image_size": 16,
+                "proto_dim": 32,
+                "adapter_hidden": 8,
+                "feature_cache": False,
+            },
             "federation": {"rounds": rounds, "local_epochs": 2, "batch_size": 32, "lr": 3e-3},
             "method": {"name": method, "params": params or {}},
             "privacy": {"mechanism": mechanism, "epsilon": 8.0, "clip": 1.0},
@@ -92,14 +102,22 @@ def check_method(
 
     # server and client state round-trip
     buf = io.BytesIO()
-    torch.save({"server": sim.method.state_dict(),
-                "clients": [c.state.tensors for c in sim.clients],
-                "global": sim.global_state}, buf)
+    torch.save(
+        {
+            "server": sim.method.state_dict(),
+            "clients": [c.state.tensors for c in sim.clients],
+            "global": sim.global_state,
+        },
+        buf,
+    )
     buf.seek(0)
     restored = torch.load(buf, weights_only=True)
-    fresh = type(sim.method)(config.method.params, num_classes=sim.method.num_classes,
-                             num_domains=sim.method.num_domains,
-                             proto_dim=sim.method.proto_dim)
+    fresh = type(sim.method)(
+        config.method.params,
+        num_classes=sim.method.num_classes,
+        num_domains=sim.method.num_domains,
+        proto_dim=sim.method.proto_dim,
+    )
     fresh.load_state_dict(restored["server"])
     _assert_same(fresh.state_dict(), sim.method.state_dict(), f"{name}: server state")
     for saved, c in zip(restored["clients"], sim.clients):

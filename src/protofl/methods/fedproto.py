@@ -15,6 +15,7 @@ from protofl.methods.base import (
     GlobalState,
     Method,
     Upload,
+    class_robust_mean,
     class_uniform_mean,
     class_weighted_mean,
     lookup_targets,
@@ -38,7 +39,12 @@ class FedProto(Method):
     """
 
     name = "fedproto"
-    defaults: ClassVar[dict[str, Any]] = {"lam": 0.1, "weighting": "counts"}
+    defaults: ClassVar[dict[str, Any]] = {
+        "lam": 0.1,
+        "weighting": "counts",
+        "aggregation": "mean",
+        "trim_ratio": 0.25,
+    }
     eval_modes = ("classifier", "prototype")
 
     def validate(self) -> None:
@@ -49,14 +55,33 @@ class FedProto(Method):
             raise ValueError(
                 f"fedproto.weighting={self.params['weighting']!r}; choose counts or uniform"
             )
+        if self.params["aggregation"] not in ("mean", "median", "trimmed_mean"):
+            raise ValueError(
+                f"fedproto.aggregation={self.params['aggregation']!r}; "
+                "choose mean, median or trimmed_mean"
+            )
+        if not 0 <= float(self.params["trim_ratio"]) < 0.5:
+            raise ValueError(
+                f"fedproto.trim_ratio={self.params['trim_ratio']!r} must be in [0, 0.5)"
+            )
 
     def aggregate(self, uploads: Sequence[Upload], round_index: int) -> GlobalState:
         """Per-class mean of the uploaded prototypes over the clients that have the class."""
+        if self.params["aggregation"] != "mean":
+            return class_robust_mean(
+                uploads,
+                self.num_classes,
+                self.proto_dim,
+                self.params["aggregation"],
+                float(self.params["trim_ratio"]),
+            )
         if self.params["weighting"] == "uniform":
             return class_uniform_mean(uploads, self.num_classes, self.proto_dim)
         return class_weighted_mean(uploads, self.num_classes, self.proto_dim)
 
-    def client_loss(self, batch: Batch, global_state: GlobalState, state: ClientState) -> torch.Tensor:
+    def client_loss(
+        self, batch: Batch, global_state: GlobalState, state: ClientState
+    ) -> torch.Tensor:
         """CE + lam * MSE(f, G_y) over the samples whose class has a global prototype."""
         loss = F.cross_entropy(batch.logits, batch.y)
         if not global_state or len(global_state["classes"]) == 0:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from protofl.config import BackboneConfig
 from protofl.registry import Registry
 
 
@@ -38,6 +39,27 @@ class FrozenBackbone(ABC):
     def weights_id(self) -> str:
         """A short fingerprint of the frozen weights."""
         return "none"
+
+    @classmethod
+    def client_model(
+        cls,
+        in_dim: int,
+        num_classes: int,
+        config: BackboneConfig,
+        generator: torch.Generator,
+        client: int = 0,
+    ) -> nn.Module:
+        """The trainable part that consumes this backbone's cached output.
+
+        Default: adapter on pooled features, projection, head (``protofl.models.client``).
+        Backbones with per-block adapters, or heterogeneous families that vary by ``client``,
+        override this and return a module with the same interface (``features(z)``, ``head``,
+        ``forward(z) -> (f, logits)``, ``trainable_parameters()``). The engine passes every
+        client a generator in the same state, so homogeneous clients start identical.
+        """
+        from protofl.models.client import build_client_model
+
+        return build_client_model(in_dim, num_classes, config, generator)
 
     @abstractmethod
     def encode_batch(self, images: torch.Tensor) -> torch.Tensor:

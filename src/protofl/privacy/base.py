@@ -81,6 +81,26 @@ class Mechanism(ABC):
         """Calibration facts for the run summary (sigma, accountant, neighbouring relation)."""
         return {"mechanism": self.name}
 
+    def max_noise_std(self, count: int) -> float | None:
+        """Largest per-dimension noise std this calibration adds to a prototype of ``count``
+        samples; None when releases are not clipped (then no norm bound exists)."""
+        return None
+
+    def norm_bound(self, count: int, *, false_reject: float = 1e-9) -> float | None:
+        """Largest plausible L2 norm of an honest release of ``count`` samples.
+
+        Clipped features give a mean of norm <= R; Gaussian noise of per-dimension std <= s in d
+        dimensions exceeds ``s * sqrt(d + 2 sqrt(d t) + 2 t)`` with probability <= e^-t
+        (Laurent and Massart, 2000), t = ln(1/false_reject). So an honest upload is rejected
+        with probability at most ``false_reject``. None: no bound (no clipping).
+        """
+        s = self.max_noise_std(count)
+        if s is None:
+            return None
+        t = math.log(1.0 / false_reject)
+        d = self.dim
+        return float(self.config.clip + s * math.sqrt(d + 2.0 * math.sqrt(d * t) + 2.0 * t))
+
 
 MECHANISM_REGISTRY: Registry[type[Mechanism]] = Registry("mechanism")
 

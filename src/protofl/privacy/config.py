@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MECHANISMS = ("none", "igpp", "vpp", "vpdr")
+VPP_VARIANTS = ("paper", "normalized", "once", "normalized_once", "history")
 
 
 def _fail(key: str, value: object, allowed: str) -> None:
@@ -22,17 +24,29 @@ class PrivacyConfig:
     clip: float = 5.0
     accountant: str = "pld"
     neighbouring: str = "replace_one"
+    # add_remove only: class counts public by assumption, or released with noise and charged
+    addremove_counts: str = "public"
+    # the reference code's accidental group clipping for IGPP (off: plain clipping, VPDR Eq. 4)
+    igpp_group_clip: bool = False
+    # releases of prototypes with fewer samples than this are logged as a warning
+    warn_min_count: int = 5
     # VPP (VPDR Sec. 4.2); paper defaults H=0.1, r=0.1, rho=0.2
     vpp_rho: float = 0.2
     vpp_ratio: float = 0.1
     vpp_score_max: float = 0.1
     vpp_split: str = "joint"
+    # paper | normalized | once | normalized_once | history (see docs/privacy.md)
+    vpp_variant: str = "paper"
+    # ANOVA zeta (VPDR Eq. 8), relative to the median within-class variance
+    vpp_zeta: float = 1e-3
     # DCR (VPDR Sec. 4.3)
     dcr_gamma: float = 0.05
     dcr_beta: float = 0.999
     dcr_tau: float = 4.0
     dcr_weight: float = 0.05
     dcr_soft_clip: str = "paper"
+    # steps before KD/EMA start (the reference code uses 5, once per run; the paper none)
+    dcr_warmup_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.mechanism not in MECHANISMS:
@@ -40,16 +54,22 @@ class PrivacyConfig:
                 f"privacy.mechanism={self.mechanism!r} is unknown; choose one of: "
                 + ", ".join(MECHANISMS)
             )
-        if not self.epsilon > 0:
+        if not (self.epsilon > 0 and math.isfinite(self.epsilon)):
             _fail("epsilon", self.epsilon, "(0, inf)")
         if not 0 < self.delta < 1:
             _fail("delta", self.delta, "(0, 1)")
-        if not self.clip > 0:
+        if not (self.clip > 0 and math.isfinite(self.clip)):
             _fail("clip", self.clip, "(0, inf)")
         if self.accountant not in ("pld", "rdp", "rdp-classic"):
             _fail("accountant", self.accountant, "pld, rdp, rdp-classic")
         if self.neighbouring not in ("replace_one", "add_remove"):
             _fail("neighbouring", self.neighbouring, "replace_one, add_remove")
+        if self.addremove_counts not in ("public", "noisy"):
+            _fail("addremove_counts", self.addremove_counts, "public, noisy")
+        if isinstance(self.warn_min_count, bool) or not isinstance(self.warn_min_count, int):
+            _fail("warn_min_count", self.warn_min_count, "integers >= 0")
+        if self.warn_min_count < 0:
+            _fail("warn_min_count", self.warn_min_count, "integers >= 0")
         if not 0 < self.vpp_rho <= 0.5:
             _fail("vpp_rho", self.vpp_rho, "(0, 0.5]")
         if not 0 < self.vpp_ratio < 1:
@@ -58,6 +78,10 @@ class PrivacyConfig:
             _fail("vpp_score_max", self.vpp_score_max, "(0, inf)")
         if self.vpp_split not in ("joint", "paper"):
             _fail("vpp_split", self.vpp_split, "joint, paper")
+        if self.vpp_variant not in VPP_VARIANTS:
+            _fail("vpp_variant", self.vpp_variant, ", ".join(VPP_VARIANTS))
+        if not (self.vpp_zeta > 0 and math.isfinite(self.vpp_zeta)):
+            _fail("vpp_zeta", self.vpp_zeta, "(0, inf)")
         if not self.dcr_gamma > 0:
             _fail("dcr_gamma", self.dcr_gamma, "(0, inf)")
         if not 0 <= self.dcr_beta < 1:
@@ -68,6 +92,10 @@ class PrivacyConfig:
             _fail("dcr_weight", self.dcr_weight, "[0, inf)")
         if self.dcr_soft_clip not in ("paper", "min"):
             _fail("dcr_soft_clip", self.dcr_soft_clip, "paper, min")
+        if isinstance(self.dcr_warmup_steps, bool) or not isinstance(self.dcr_warmup_steps, int):
+            _fail("dcr_warmup_steps", self.dcr_warmup_steps, "integers >= 0")
+        if self.dcr_warmup_steps < 0:
+            _fail("dcr_warmup_steps", self.dcr_warmup_steps, "integers >= 0")
 
     @property
     def base_mechanism(self) -> str:

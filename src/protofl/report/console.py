@@ -32,6 +32,8 @@ def print_summary(summary: Mapping[str, Any], run_dir: str, console: Console | N
     eps = summary.get("privacy", {}).get("epsilon_spent")
     if isinstance(eps, dict) and any(v is not None for v in eps.values()):
         worst = max(v for v in eps.values() if v is not None)
-        console.print(f"privacy: max epsilon spent over clients = {worst:.3f} "
-                      f"(delta={summary['privacy'].get('delta')})")
+        console.print(
+            f"privacy: max epsilon spent over clients = {worst:.3f} "
+            f"(delta={summary['privacy'].get('delta')})"
+        )
     console.print(f"run folder: {run_dir}")
