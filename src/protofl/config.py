@@ -115,6 +115,7 @@ class FederationConfig:
     participation: float = 1.0
     dropout: float = 0.0
     checkpoint: bool = True
+    execution: str = "sequential"
 
     def __post_init__(self) -> None:
         check_range("federation.rounds", self.rounds, low=1)
@@ -126,6 +127,7 @@ class FederationConfig:
             "federation.participation", self.participation, low=0.0, high=1.0, low_open=True
         )
         check_range("federation.dropout", self.dropout, low=0.0, high=1.0, high_open=True)
+        check_choice("federation.execution", self.execution, ("sequential", "batched"))
 
 
 @dataclass(frozen=True)

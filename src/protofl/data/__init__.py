@@ -6,6 +6,7 @@ from protofl.data import digits_files as _digits_files  # noqa: F401  (registers
 from protofl.data import domainnet as _domainnet  # noqa: F401  (registers "domainnet")
 from protofl.data import office as _office  # noqa: F401  ("office_caltech10", "office_home")
 from protofl.data import pacs as _pacs  # noqa: F401  (registers "pacs")
+from protofl.data import text as _text  # noqa: F401  (rotten_tomatoes, ag_news, text_files)
 from protofl.data import toy as _toy  # noqa: F401  (registers "toy")
 from protofl.data import vlcs as _vlcs  # noqa: F401  (registers "vlcs")
 from protofl.data.base import DATASET_REGISTRY, DomainData, DomainSplit, MultiDomainDataset

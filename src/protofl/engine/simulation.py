@@ -65,6 +65,7 @@ class RoundMetrics:
     holdout_acc: float | None = None
     participants: list[str] = field(default_factory=list)
     rejected: list[dict[str, str]] = field(default_factory=list)
+    feature_norms: dict[str, list[float]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe dict for metrics.jsonl."""
@@ -80,6 +81,7 @@ class RoundMetrics:
             "holdout_acc": self.holdout_acc,
             "participants": self.participants,
             "rejected": self.rejected,
+            "feature_norms": self.feature_norms,
         }
 
     @classmethod
@@ -142,8 +144,21 @@ class Simulation:
                     dcr=dcr,
                 )
             )
+        if self.method.shares_weights and len(self.clients) > 1:
+            shapes = {
+                tuple((k, tuple(v.shape)) for k, v in c.model.state_dict().items())
+                for c in self.clients
+            }
+            if len(shapes) > 1:
+                raise ValueError(
+                    f"method {self.method.name!r} averages model weights, but backbone "
+                    f"{config.backbone.name!r} gives clients models of different shapes; use a "
+                    "prototype-only method (or a homogeneous backbone)"
+                )
         self.releases: list[list[Release | None]] = []
+        self.last_feature_norms: dict[str, list[float]] = {}
         self.history: list[RoundMetrics] = []
+        self.batched: Any = None
         self.server_gen = torch.Generator().manual_seed(derive_seed(config.seed, 4))
 
     # ----- one round --------------------------------------------------------------------------
@@ -167,6 +182,8 @@ class Simulation:
         A client that does not take part releases nothing and is charged nothing.
         """
         uploads: list[Upload] = []
+        norms: dict[str, list[float]] = {}
+        self.last_feature_norms = norms
         cluster_fn = self.method.cluster_fn()
         round_releases: list[Release | None] = []
         for i, c in enumerate(self.clients):
@@ -178,6 +195,7 @@ class Simulation:
                 c.model.eval()
                 with torch.no_grad():
                     feats = self.method.upload_features(c.model, c.data.train_z)
+                norms[c.data.name] = norm_quantiles(feats)
                 release = self.mechanism.release(
                     feats,
                     c.data.train_y,
@@ -241,6 +259,18 @@ class Simulation:
         self.method.end_local(c.model, c.state, self.global_state, c.data.client)
         return total / max(steps, 1)
 
+    def train_active(self, clients: list[Client]) -> list[float]:
+        """Local training of the round's participants: batched when configured and supported
+        by the method (``federation.execution: batched``), else one client after another."""
+        if self.config.federation.execution == "batched":
+            from protofl.engine.batched import BatchedTrainer
+
+            if self.batched is None:
+                self.batched = BatchedTrainer(self)
+            if self.batched.supported:
+                return self.batched.train(clients)
+        return [self.train_client(c) for c in clients]
+
     def average_weights(self, active: Sequence[bool] | None = None) -> None:
         """FedAvg (sample-weighted) of the weights of the clients that trained; sent to all."""
         members = [c for i, c in enumerate(self.clients) if active is None or active[i]]
@@ -295,7 +325,7 @@ class Simulation:
         uploads = self.collect_uploads(active)
         accepted, rejected = self.validate(uploads)
         self.global_state = self.method.aggregate(accepted, self.round)
-        losses = [self.train_client(c) for c, a in zip(self.clients, active) if a]
+        losses = self.train_active([c for c, a in zip(self.clients, active) if a])
         if self.method.shares_weights and any(active):
             self.average_weights(active)
         client_acc = self.evaluate()
@@ -315,6 +345,7 @@ class Simulation:
             privacy=self.privacy_status(),
             holdout_acc=self.evaluate_holdout(),
             participants=[c.data.name for c, a in zip(self.clients, active) if a],
+            feature_norms=self.last_feature_norms,
             rejected=rejected,
         )
         self.round += 1
@@ -421,6 +452,23 @@ class Simulation:
             c.noise_gen.set_state(cs["noise_gen"])
             if c.dcr is not None:
                 c.dcr.load_state_dict(cs["dcr"])
+
+
+NORM_QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
+
+
+def norm_quantiles(features: torch.Tensor) -> list[float]:
+    """Quantiles (5, 25, 50, 75, 95 %) of the pre-clipping L2 feature norms.
+
+    A local diagnostic written to metrics.jsonl (VPDR Fig. 4a); it is never uploaded and is not
+    covered by the privacy guarantee.
+    """
+    if features.shape[0] == 0:
+        return []
+    norms = features.flatten(1).norm(dim=1).double()
+    return [
+        float(v) for v in torch.quantile(norms, torch.tensor(NORM_QUANTILES, dtype=torch.float64))
+    ]
 
 
 def release_to_dict(release: Release | None) -> dict[str, Any] | None:
