@@ -89,7 +89,7 @@ class BackboneConfig:
     """The frozen pretrained backbone and the trainable parts on top of it."""
 
     name: str = "efficientnet_lite0"
-    image_size: int = 32
+    image_size: int = 64
     proto_dim: int = 512
     adapter_hidden: int = 64
     train_projection: bool = True
