@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument("--set", action="append", metavar="KEY=VALUE")
     cfg.set_defaults(func=_cmd_config)
 
+    from protofl.report.cli import add_report_parsers
+
+    add_report_parsers(sub)
     try:
         from protofl.privacy.cli import add_privacy_parser, run_privacy
     except ImportError:  # pragma: no cover

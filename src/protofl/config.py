@@ -145,6 +145,7 @@ class RunConfig:
     out_dir: str = "runs"
     save_releases: bool = True
     progress: bool = True
+    tensorboard: bool = False
     threads: int | None = None  # None: all cores for feature extraction, 1 for training
 
     def __post_init__(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import json
@@ -63,13 +64,26 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
 
 
 def record_checksum(path: Path, digest: str | None = None) -> str:
-    """Store ``path``'s sha256 in its folder's manifest and return it."""
+    """Store ``path``'s sha256 in its folder's manifest and return it.
+
+    The read-modify-write of the manifest holds an exclusive lock, so parallel sweep workers
+    writing into one cache folder do not lose each other's entries.
+    """
     digest = digest or sha256_file(path)
+    with open(path.parent / ".manifest.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            _write_entry(path, digest)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return digest
+
+
+def _write_entry(path: Path, digest: str) -> None:
     manifest = _read_manifest(path.parent)
     manifest[path.name] = digest
     text = json.dumps(manifest, indent=1, sort_keys=True)
     atomic_write_bytes(path.parent / MANIFEST, text.encode())
-    return digest
 
 
 def verify_checksum(path: Path) -> bool:

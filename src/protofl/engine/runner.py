@@ -81,6 +81,22 @@ def run_experiment(
     return _execute(config, run_dir, home=home, progress=progress, data=data, resume=False)
 
 
+def run_in_dir(
+    config: ExperimentConfig,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    home: Path | None = None,
+    progress: bool | None = None,
+) -> RunResult:
+    """Run (or, with ``resume``, continue) an experiment in a given folder (used by sweeps)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / "config.yaml").exists():
+        (run_dir / "config.yaml").write_text(config.to_yaml())
+    return _execute(config, run_dir, home=home, progress=progress, data=None, resume=resume)
+
+
 def resume_experiment(
     run_dir: str | Path, *, home: Path | None = None, progress: bool | None = None
 ) -> RunResult:
@@ -106,6 +122,7 @@ def _execute(
         torch.set_num_threads(config.run.threads)
     handler = _attach_log(run_dir)
     show = config.run.progress if progress is None else progress
+    tensorboard: Any = None
     try:
         t0 = time.perf_counter()
         home = home or protofl_home()
@@ -129,7 +146,14 @@ def _execute(
         else:
             metrics_path.write_text("")
 
+        if config.run.tensorboard:
+            from protofl.report.tensorboard import TensorBoardLogger
+
+            tensorboard = TensorBoardLogger(run_dir)
+
         def on_round(m: RoundMetrics) -> None:
+            if tensorboard is not None:
+                tensorboard.log_round(m)
             with open(metrics_path, "a") as fh:
                 fh.write(json.dumps(m.to_json()) + "\n")
             if config.federation.checkpoint:
@@ -166,6 +190,8 @@ def _execute(
             save_artifacts(sim, run_dir)
         return RunResult(run_dir=run_dir, summary=summary, history=history)
     finally:
+        if tensorboard is not None:
+            tensorboard.close()
         torch.set_num_threads(threads_before)
         logging.getLogger("protofl").removeHandler(handler)
         handler.close()

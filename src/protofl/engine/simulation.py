@@ -22,6 +22,7 @@ from protofl.models.client import ClientModel
 from protofl.privacy import create_mechanism
 from protofl.privacy.base import Mechanism, Release
 from protofl.privacy.ledger import PrivacyLedger
+from protofl.report.norms import feature_norm_stats
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class RoundMetrics:
     holdout_acc: float | None = None
     participants: list[str] = field(default_factory=list)
     rejected: list[dict[str, str]] = field(default_factory=list)
-    feature_norms: dict[str, list[float]] = field(default_factory=dict)
+    feature_norms: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe dict for metrics.jsonl."""
@@ -156,7 +157,7 @@ class Simulation:
                     "prototype-only method (or a homogeneous backbone)"
                 )
         self.releases: list[list[Release | None]] = []
-        self.last_feature_norms: dict[str, list[float]] = {}
+        self.last_feature_norms: dict[str, dict[str, float]] = {}
         self.history: list[RoundMetrics] = []
         self.batched: Any = None
         self.server_gen = torch.Generator().manual_seed(derive_seed(config.seed, 4))
@@ -182,7 +183,7 @@ class Simulation:
         A client that does not take part releases nothing and is charged nothing.
         """
         uploads: list[Upload] = []
-        norms: dict[str, list[float]] = {}
+        norms: dict[str, dict[str, float]] = {}
         self.last_feature_norms = norms
         cluster_fn = self.method.cluster_fn()
         round_releases: list[Release | None] = []
@@ -195,7 +196,8 @@ class Simulation:
                 c.model.eval()
                 with torch.no_grad():
                     feats = self.method.upload_features(c.model, c.data.train_z)
-                norms[c.data.name] = norm_quantiles(feats)
+                # a local diagnostic (VPDR Fig. 4a): never uploaded, not covered by the DP claim
+                norms[c.data.name] = feature_norm_stats(feats, clip=self.config.privacy.clip)
                 release = self.mechanism.release(
                     feats,
                     c.data.train_y,
@@ -452,23 +454,6 @@ class Simulation:
             c.noise_gen.set_state(cs["noise_gen"])
             if c.dcr is not None:
                 c.dcr.load_state_dict(cs["dcr"])
-
-
-NORM_QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
-
-
-def norm_quantiles(features: torch.Tensor) -> list[float]:
-    """Quantiles (5, 25, 50, 75, 95 %) of the pre-clipping L2 feature norms.
-
-    A local diagnostic written to metrics.jsonl (VPDR Fig. 4a); it is never uploaded and is not
-    covered by the privacy guarantee.
-    """
-    if features.shape[0] == 0:
-        return []
-    norms = features.flatten(1).norm(dim=1).double()
-    return [
-        float(v) for v in torch.quantile(norms, torch.tensor(NORM_QUANTILES, dtype=torch.float64))
-    ]
 
 
 def release_to_dict(release: Release | None) -> dict[str, Any] | None:

@@ -1,0 +1,796 @@
+"""Grids of experiments: validate every point first, run them in parallel worker processes,
+skip finished runs, resume stopped ones, and record the status of each in ``sweep.json``.
+
+A sweep file::
+
+    name: vpdr-vs-igpp            # optional (default: the file's stem)
+    base: configs/digits4.yaml    # a config mapping, or a path (relative to the sweep file)
+    grid:                         # dotted config key -> list of values (cartesian product)
+      method.name: [fedproto, fpl]
+      privacy.mechanism: [igpp, vpdr]
+      privacy.epsilon: [0.5, 1.0]
+      seed: [0, 1, 2]
+
+Every grid point gets a deterministic folder ``<sweep_dir>/<index>-<slug>`` (a normal run folder).
+A point whose folder holds ``summary.json`` is done and is skipped; one with checkpoints is
+resumed from its last complete round; anything else starts afresh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import math
+import multiprocessing
+import os
+import re
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from protofl.config import ConfigError, ExperimentConfig, set_dotted
+from protofl.registry import nearest
+
+log = logging.getLogger(__name__)
+
+SWEEP_KEYS = ("name", "description", "base", "grid")
+STATUS_FILE = "sweep.json"
+ERROR_FILE = "error.txt"
+
+
+# --------------------------------------------------------------------------------------------
+# the plan
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SweepPoint:
+    """One grid point: its overrides, its validated config and its folder name."""
+
+    index: int
+    overrides: dict[str, Any]
+    config: ExperimentConfig
+    dirname: str
+
+    def run_dir(self, sweep_dir: Path) -> Path:
+        """This point's run folder inside ``sweep_dir``."""
+        return sweep_dir / self.dirname
+
+    def label(self) -> str:
+        """``key=value, ...`` (short keys) for messages."""
+        return ", ".join(f"{k}={_show(v)}" for k, v in self.overrides.items()) or "(base)"
+
+
+@dataclass
+class SweepPlan:
+    """A validated sweep: every point already holds an :class:`ExperimentConfig`."""
+
+    name: str
+    base: dict[str, Any]
+    grid: dict[str, list[Any]]
+    points: list[SweepPoint]
+    source: str = "sweep"
+    description: str = ""
+
+    def default_dir(self) -> Path:
+        """``<base run.out_dir>/<name>`` (so the same command finds the same sweep again)."""
+        out = self.points[0].config.run.out_dir if self.points else "runs"
+        return Path(out) / _safe(self.name)
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=+-]+", "-", text).strip("-.") or "x"
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list | tuple):
+        return "+".join(_show(v) for v in value)
+    if isinstance(value, Mapping):
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return str(value)
+
+
+def point_slug(overrides: Mapping[str, Any], limit: int = 72) -> str:
+    """A readable, filesystem-safe folder suffix: ``name-fedproto_epsilon-1_seed-0``."""
+    parts = []
+    for key, value in overrides.items():
+        short = key.split(".")[-1]
+        if isinstance(value, Mapping):
+            shown = str(value.get("name", "")) or "cfg"
+            shown += "-" + hashlib.sha256(_show(value).encode()).hexdigest()[:6]
+        else:
+            shown = _show(value)
+        parts.append(f"{short}-{shown}")
+    slug = _safe("_".join(parts)) if parts else "base"
+    if len(slug) > limit:
+        digest = hashlib.sha256(slug.encode()).hexdigest()[:8]
+        slug = slug[: limit - 9].rstrip("-_.") + "-" + digest
+    return slug
+
+
+def _read_yaml(path: Path, what: str) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {path} is not valid YAML: {exc}") from None
+
+
+def load_sweep(path: str | Path) -> SweepPlan:
+    """Read a sweep file and validate every grid point (nothing runs)."""
+    path = Path(path)
+    data = _read_yaml(path, "sweep file")
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"sweep file {path} must hold a mapping with base: and grid:")
+    return plan_sweep(data, source=str(path), base_dir=path.parent, default_name=path.stem)
+
+
+def plan_sweep(
+    data: Mapping[str, Any],
+    *,
+    source: str = "sweep",
+    base_dir: Path | None = None,
+    default_name: str = "sweep",
+) -> SweepPlan:
+    """Validate a sweep mapping into a plan; errors name the file, the point and the key."""
+    for key in data:
+        if key not in SWEEP_KEYS:
+            raise ConfigError(
+                f"{source}: unknown sweep key {key!r}{nearest(str(key), list(SWEEP_KEYS))}; "
+                f"valid keys: {', '.join(SWEEP_KEYS)}"
+            )
+    base = _resolve_base(data.get("base"), source, base_dir)
+    grid_raw = data.get("grid") or {}
+    if not isinstance(grid_raw, Mapping):
+        raise ConfigError(f"{source}: grid must map dotted config keys to lists of values")
+    grid: dict[str, list[Any]] = {}
+    for key, values in grid_raw.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"{source}: grid key {key!r} must be a dotted config key")
+        if not isinstance(values, list) or not values:
+            raise ConfigError(
+                f"{source}: grid.{key} must be a non-empty list of values, got {values!r}"
+            )
+        grid[key] = list(values)
+    # every key must exist in the config: check it once on its own, naming the key
+    for key, values in grid.items():
+        _build_point(base, {key: values[0]}, source, key)
+    name = str(data.get("name") or default_name)
+    points: list[SweepPoint] = []
+    combos = list(itertools.product(*grid.values())) if grid else [()]
+    width = max(3, len(str(len(combos) - 1)))
+    seen: dict[str, int] = {}
+    for index, combo in enumerate(combos):
+        overrides = dict(zip(grid.keys(), combo))
+        slug = point_slug(overrides)
+        if "name" not in overrides:
+            overrides_with_name = {**overrides, "name": f"{_safe(name)}-{slug}"}
+        else:
+            overrides_with_name = dict(overrides)
+        label = ", ".join(f"{k}={_show(v)}" for k, v in overrides.items())
+        config = _build_point(base, overrides_with_name, source, f"grid point {index} ({label})")
+        fingerprint = json.dumps({**config.to_dict(), "name": None}, sort_keys=True)
+        if fingerprint in seen:
+            raise ConfigError(
+                f"{source}: grid points {seen[fingerprint]} and {index} give the same config "
+                f"({label}); remove the duplicate value"
+            )
+        seen[fingerprint] = index
+        points.append(
+            SweepPoint(
+                index=index,
+                overrides=overrides,
+                config=config,
+                dirname=f"{index:0{width}d}-{slug}",
+            )
+        )
+    _check_registries(points, source)
+    return SweepPlan(
+        name=name,
+        base=base,
+        grid=grid,
+        points=points,
+        source=source,
+        description=str(data.get("description") or ""),
+    )
+
+
+def _resolve_base(base: Any, source: str, base_dir: Path | None) -> dict[str, Any]:
+    if base is None:
+        return {}
+    if isinstance(base, Mapping):
+        return dict(base)
+    if isinstance(base, str):
+        candidates = [Path(base)]
+        if base_dir is not None and not Path(base).is_absolute():
+            candidates.insert(0, base_dir / base)
+        for cand in candidates:
+            if cand.is_file():
+                loaded = _read_yaml(cand, "base config")
+                if loaded is None:
+                    return {}
+                if not isinstance(loaded, Mapping):
+                    raise ConfigError(f"base config {cand} must hold a mapping")
+                return dict(loaded)
+        raise ConfigError(
+            f"{source}: base config {base!r} does not exist "
+            f"(looked in: {', '.join(str(c) for c in candidates)})"
+        )
+    raise ConfigError(f"{source}: base must be a config mapping or a path, got {base!r}")
+
+
+def _build_point(
+    base: Mapping[str, Any], overrides: Mapping[str, Any], source: str, where: str
+) -> ExperimentConfig:
+    data = json.loads(json.dumps(base))  # deep copy of plain YAML data
+    try:
+        for key, value in overrides.items():
+            set_dotted(data, key, value)
+        return ExperimentConfig.from_dict(data, source=source)
+    except (ConfigError, ValueError) as exc:
+        raise ConfigError(f"{source}: {where}: {exc}") from None
+
+
+def _check_registries(points: Sequence[SweepPoint], source: str) -> None:
+    """Unknown data sets, backbones, methods or method parameters fail before any run."""
+    from protofl.data import DATASET_REGISTRY
+    from protofl.methods import create_method
+    from protofl.models.backbones import BACKBONE_REGISTRY
+
+    checked: set[str] = set()
+    for p in points:
+        cfg = p.config
+        key = json.dumps(
+            [
+                cfg.data.name,
+                cfg.data.options,
+                cfg.backbone.name,
+                cfg.method.name,
+                cfg.method.params,
+            ],
+            sort_keys=True,
+            default=str,
+        )
+        if key in checked:
+            continue
+        checked.add(key)
+        try:
+            info = DATASET_REGISTRY.get(cfg.data.name)
+            _check_data_options(cfg.data.name, info.loader, cfg.data.options)
+            BACKBONE_REGISTRY.get(cfg.backbone.name)
+            create_method(
+                cfg.method.name,
+                cfg.method.params,
+                num_classes=10,
+                num_domains=4,
+                proto_dim=cfg.backbone.proto_dim,
+            )
+        except (ConfigError, ValueError) as exc:
+            raise ConfigError(f"{source}: grid point {p.index} ({p.label()}): {exc}") from None
+
+
+def _check_data_options(name: str, loader: Any, options: Mapping[str, Any]) -> None:
+    """The same check ``load_dataset`` makes, without loading anything."""
+    import inspect
+
+    params = inspect.signature(loader).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    for key in options:
+        if key not in params:
+            raise ValueError(f"data set {name!r} has no option {key!r} (data.options.{key})")
+
+
+# --------------------------------------------------------------------------------------------
+# status bookkeeping
+# --------------------------------------------------------------------------------------------
+def run_is_done(run_dir: Path) -> bool:
+    """A run is complete when its ``summary.json`` exists and parses."""
+    try:
+        return "avg_acc" in json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def _existing_config_problem(run_dir: Path, config: ExperimentConfig) -> str | None:
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        return None
+    try:
+        old = ExperimentConfig.from_yaml(path).to_dict()
+    except (ConfigError, ValueError) as exc:
+        return f"its config.yaml is unreadable ({exc})"
+    new = config.to_dict()
+    if old == new:
+        return None
+    diffs = _dict_diff(old, new)
+    return "it was made with a different config (" + "; ".join(diffs[:3]) + ")"
+
+
+def _dict_diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[str] = []
+        for k in list(a) + [k for k in b if k not in a]:
+            out += _dict_diff(a.get(k), b.get(k), f"{prefix}{k}.")
+        return out
+    return [] if a == b else [f"{prefix.rstrip('.')}: {a!r} there, {b!r} now"]
+
+
+@dataclass
+class RunStatus:
+    """One grid point's state in ``sweep.json``."""
+
+    index: int
+    dir: str
+    overrides: dict[str, Any]
+    status: str = "pending"  # pending | running | done | failed | stopped
+    action: str | None = None  # reused | ran | resumed
+    error: str | None = None
+    resumed_from: int | None = None
+    rounds: int = 0
+    avg_acc: float | None = None
+    wall_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-safe dict."""
+        return dict(self.__dict__)
+
+
+@dataclass
+class SweepResult:
+    """What a sweep did."""
+
+    sweep_dir: Path
+    runs: list[RunStatus]
+    wall_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> list[RunStatus]:
+        """Runs that raised (or were lost with their worker)."""
+        return [r for r in self.runs if r.status == "failed"]
+
+    def count(self, action: str) -> int:
+        """How many runs were ``reused``, ``ran`` or ``resumed`` in this invocation."""
+        return sum(1 for r in self.runs if r.action == action and r.status == "done")
+
+
+def _write_status(
+    sweep_dir: Path, plan: SweepPlan, runs: Sequence[RunStatus], **extra: Any
+) -> None:
+    from protofl.data.cache import atomic_write_bytes
+
+    payload = {
+        "name": plan.name,
+        "source": plan.source,
+        "description": plan.description,
+        "updated": datetime.now().isoformat(timespec="seconds"),
+        "base": plan.base,
+        "grid": plan.grid,
+        "counts": {
+            s: sum(1 for r in runs if r.status == s)
+            for s in ("done", "failed", "running", "pending", "stopped")
+        },
+        **extra,
+        "runs": [r.to_json() for r in runs],
+    }
+    atomic_write_bytes(
+        sweep_dir / STATUS_FILE, (json.dumps(payload, indent=1, default=str) + "\n").encode()
+    )
+
+
+def read_status(sweep_dir: str | Path) -> dict[str, Any]:
+    """The parsed ``sweep.json`` of a sweep folder."""
+    path = Path(sweep_dir) / STATUS_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{sweep_dir} is not a sweep folder (no {STATUS_FILE})")
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+# --------------------------------------------------------------------------------------------
+# the worker
+# --------------------------------------------------------------------------------------------
+def _init_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+
+
+def execute_point(run_dir: str, config_yaml: str, home: str | None) -> dict[str, Any]:
+    """Run (or resume) one grid point in ``run_dir``; never raises: failures come back as
+    ``{"status": "failed", "error": ..., "traceback": ...}`` (also written to ``error.txt``)."""
+    from protofl.engine.checkpoint import CheckpointError
+    from protofl.engine.runner import run_in_dir
+
+    t0 = time.perf_counter()
+    path = Path(run_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / ERROR_FILE).unlink(missing_ok=True)
+    action, resumed_from = "ran", None
+    try:
+        config = ExperimentConfig.from_dict(yaml.safe_load(config_yaml) or {}, source=run_dir)
+        (path / "config.yaml").write_text(config.to_yaml())
+        home_path = Path(home) if home else None
+        resume = (path / "checkpoints.json").exists()
+        if resume:
+            action = "resumed"
+            resumed_from = _last_checkpoint_round(path)
+        try:
+            result = run_in_dir(config, path, home=home_path, progress=False, resume=resume)
+        except CheckpointError as exc:
+            log.warning("%s: %s; starting the run again from round 0", path, exc)
+            for f in path.glob("checkpoint*"):
+                f.unlink()
+            action, resumed_from = "ran", None
+            result = run_in_dir(config, path, home=home_path, progress=False, resume=False)
+        s = result.summary
+        return {
+            "status": "done",
+            "action": action,
+            "resumed_from": resumed_from,
+            "avg_acc": s.get("avg_acc"),
+            "rounds": s.get("rounds"),
+            "wall_s": time.perf_counter() - t0,
+        }
+    except BaseException as exc:  # a failed run must not stop the sweep
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        tb = traceback.format_exc()
+        line = f"{type(exc).__name__}: {exc}".strip().splitlines()
+        error = line[0] if line else type(exc).__name__
+        with contextlib.suppress(OSError):
+            (path / ERROR_FILE).write_text(tb)
+        return {
+            "status": "failed",
+            "action": action,
+            "error": error,
+            "traceback": tb,
+            "wall_s": time.perf_counter() - t0,
+        }
+
+
+def _pool_execute(run_dir: str, config_yaml: str, home: str) -> dict[str, Any]:
+    """In a worker: the forkserver's environment is from when it started, so set the cache
+    home the sweep resolved before running the point."""
+    os.environ["PROTOFL_HOME"] = home
+    return execute_point(run_dir, config_yaml, home)
+
+
+def _last_checkpoint_round(run_dir: Path) -> int | None:
+    try:
+        index = json.loads((run_dir / "checkpoints.json").read_text())
+        return int(index[-1]["round"]) if index else None
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def _rounds_done(run_dir: Path) -> int:
+    try:
+        with open(run_dir / "metrics.jsonl", "rb") as fh:
+            return sum(1 for line in fh if line.strip())
+    except OSError:
+        return 0
+
+
+def _mp_context() -> Any:
+    """forkserver (the engine imported once in the server, workers fork from it), else spawn."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch._dynamo", "protofl.engine.runner", "protofl.methods"])
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+# --------------------------------------------------------------------------------------------
+# the driver
+# --------------------------------------------------------------------------------------------
+ProgressFn = Callable[[Sequence[RunStatus], int, int], None]
+
+
+def run_sweep(
+    plan: SweepPlan,
+    *,
+    sweep_dir: str | Path | None = None,
+    jobs: int | None = None,
+    home: Path | None = None,
+    progress: bool = True,
+    warm_cache: bool = True,
+    on_update: ProgressFn | None = None,
+) -> SweepResult:
+    """Run every grid point that is not yet complete; failed points do not stop the others.
+
+    ``jobs`` worker processes (default: the number of cores) each run one point at a time
+    with one torch thread.  ``warm_cache`` first computes the frozen features of every distinct
+    data set-up once in this process, so the workers only read the shared cache.
+    """
+    from protofl.data.cache import protofl_home
+
+    t0 = time.perf_counter()
+    home = Path(home) if home is not None else protofl_home()
+    sweep_dir = Path(sweep_dir) if sweep_dir is not None else plan.default_dir()
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    jobs = max(1, jobs or os.cpu_count() or 1)
+    # refuse a folder that holds other runs under our names, before anything runs
+    problems = []
+    for p in plan.points:
+        why = _existing_config_problem(p.run_dir(sweep_dir), p.config)
+        if why:
+            problems.append(f"{p.run_dir(sweep_dir)}: {why}")
+    if problems:
+        raise ConfigError(
+            f"sweep folder {sweep_dir} holds runs that do not belong to this sweep; use another "
+            "--out or delete them:\n  " + "\n  ".join(problems[:5])
+        )
+    runs = [
+        RunStatus(index=p.index, dir=p.dirname, overrides=p.overrides, rounds=0)
+        for p in plan.points
+    ]
+    todo: list[SweepPoint] = []
+    for p, st in zip(plan.points, runs):
+        d = p.run_dir(sweep_dir)
+        if run_is_done(d):
+            st.status, st.action = "done", "reused"
+            summary = json.loads((d / "summary.json").read_text())
+            st.avg_acc, st.rounds = summary.get("avg_acc"), int(summary.get("rounds", 0))
+        else:
+            todo.append(p)
+    total_rounds = sum(p.config.federation.rounds for p in plan.points)
+    _write_status(sweep_dir, plan, runs, jobs=jobs)
+
+    display = _Display(plan, runs, total_rounds, enabled=progress)
+    try:
+        with display:
+            if warm_cache and jobs > 1 and len(todo) > 1:
+                _warm_feature_cache(todo, home, display)
+            _drive(plan, todo, runs, sweep_dir, jobs, home, display, on_update)
+    except KeyboardInterrupt:
+        for st in runs:
+            if st.status in ("running", "pending"):
+                st.status = "stopped"
+        _write_status(sweep_dir, plan, runs, jobs=jobs, interrupted=True)
+        raise
+    wall = time.perf_counter() - t0
+    _write_status(sweep_dir, plan, runs, jobs=jobs, wall_s=wall)
+    return SweepResult(sweep_dir=sweep_dir, runs=runs, wall_s=wall)
+
+
+def _drive(
+    plan: SweepPlan,
+    todo: list[SweepPoint],
+    runs: list[RunStatus],
+    sweep_dir: Path,
+    jobs: int,
+    home: Path | None,
+    display: _Display,
+    on_update: ProgressFn | None,
+) -> None:
+    if not todo:
+        display.refresh(sweep_dir)
+        return
+    by_index = {p.index: p for p in plan.points}
+    if jobs == 1:
+        _drive_inline(plan, todo, runs, sweep_dir, home, display, on_update)
+        return
+    workers = min(jobs, len(todo))
+    pool = ProcessPoolExecutor(
+        max_workers=workers, mp_context=_mp_context(), initializer=_init_worker
+    )
+    futures: dict[Future[dict[str, Any]], int] = {}
+    try:
+        for p in todo:
+            d = p.run_dir(sweep_dir)
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "config.yaml").write_text(p.config.to_yaml())
+            fut = pool.submit(_pool_execute, str(d), p.config.to_yaml(), str(home))
+            futures[fut] = p.index
+            runs[p.index].status = "running"
+        _write_status(sweep_dir, plan, runs, jobs=jobs)
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            for fut in done:
+                st = runs[futures[fut]]
+                try:
+                    out = fut.result()
+                except BrokenProcessPool as exc:
+                    out = {"status": "failed", "error": f"worker process died ({exc})"}
+                except Exception as exc:  # pragma: no cover - execute_point catches its own
+                    out = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+                _apply(st, out)
+            if done:
+                _write_status(sweep_dir, plan, runs, jobs=jobs)
+            for st in runs:
+                if st.status == "running":
+                    st.rounds = min(
+                        _rounds_done(sweep_dir / st.dir),
+                        by_index[st.index].config.federation.rounds,
+                    )
+            display.refresh(sweep_dir)
+            if on_update is not None:
+                on_update(runs, sum(r.rounds for r in runs), display.total_rounds)
+    except BaseException:
+        # stop now: kill the workers (their runs resume from the last checkpoint next time)
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in procs:
+            with contextlib.suppress(Exception):
+                proc.terminate()
+        raise
+    else:
+        pool.shutdown(wait=True)
+
+
+def _apply(st: RunStatus, out: Mapping[str, Any]) -> None:
+    st.status = out["status"]
+    st.action = out.get("action")
+    st.error = out.get("error")
+    st.resumed_from = out.get("resumed_from")
+    st.avg_acc = out.get("avg_acc")
+    st.wall_s = out.get("wall_s")
+    if out.get("rounds") is not None:
+        st.rounds = int(out["rounds"])
+    if st.status == "failed":
+        log.info("sweep run %s failed: %s", st.dir, st.error)
+
+
+def _drive_inline(
+    plan: SweepPlan,
+    todo: list[SweepPoint],
+    runs: list[RunStatus],
+    sweep_dir: Path,
+    home: Path | None,
+    display: _Display,
+    on_update: ProgressFn | None,
+) -> None:
+    """``jobs=1``: run the points one after another in this process (no worker start-up)."""
+    for p in todo:
+        st = runs[p.index]
+        st.status = "running"
+        _write_status(sweep_dir, plan, runs, jobs=1)
+        display.refresh(sweep_dir)
+        d = p.run_dir(sweep_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.yaml").write_text(p.config.to_yaml())
+        _apply(st, execute_point(str(d), p.config.to_yaml(), str(home) if home else None))
+        _write_status(sweep_dir, plan, runs, jobs=1)
+        display.refresh(sweep_dir)
+        if on_update is not None:
+            on_update(runs, sum(r.rounds for r in runs), display.total_rounds)
+
+
+def _warm_feature_cache(todo: Sequence[SweepPoint], home: Path | None, display: _Display) -> None:
+    """Build each distinct data set-up once here, so parallel workers only read the cache."""
+    from protofl.data.cache import protofl_home
+    from protofl.engine.federated_data import build_federated_data
+
+    keys: dict[str, SweepPoint] = {}
+    count: dict[str, int] = {}
+    for p in todo:
+        cfg = p.config
+        if not cfg.backbone.feature_cache:
+            continue
+        key = json.dumps(
+            [cfg.to_dict()["data"], cfg.backbone.name, cfg.backbone.image_size, cfg.seed],
+            sort_keys=True,
+            default=str,
+        )
+        keys.setdefault(key, p)
+        count[key] = count.get(key, 0) + 1
+    # a set-up used by one run only is left to that run
+    keys = {k: p for k, p in keys.items() if count[k] > 1}
+    if not keys:
+        return
+    home = home or protofl_home()
+    for i, p in enumerate(keys.values()):
+        display.note(f"preparing features {i + 1}/{len(keys)}")
+        try:
+            build_federated_data(p.config, home)
+        except Exception as exc:  # the run itself will fail and report it
+            log.info("feature cache for grid point %d not prepared: %s", p.index, exc)
+    display.note("")
+
+
+class _Display:
+    """One rich progress bar for the whole grid (rounds of all runs, runs done and failed)."""
+
+    def __init__(
+        self, plan: SweepPlan, runs: list[RunStatus], total_rounds: int, *, enabled: bool
+    ) -> None:
+        self.plan = plan
+        self.runs = runs
+        self.total_rounds = total_rounds
+        self.enabled = enabled
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> _Display:
+        if not self.enabled:
+            return self
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(
+            TextColumn(f"[bold]sweep {self.plan.name}"),
+            BarColumn(),
+            TextColumn("rounds {task.completed}/{task.total}"),
+            TextColumn("runs {task.fields[done]}/{task.fields[n]}"),
+            TextColumn("[red]{task.fields[failed]}"),
+            TextColumn("{task.fields[note]}"),
+            TimeElapsedColumn(),
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(
+            "sweep", total=self.total_rounds, done=0, n=len(self.runs), failed="", note=""
+        )
+        self.refresh(None)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def note(self, text: str) -> None:
+        """Show a short status text next to the bar."""
+        if self._progress is not None:
+            self._progress.update(self._task, note=text)
+
+    def refresh(self, sweep_dir: Path | None) -> None:
+        """Redraw from the run statuses."""
+        if self._progress is None:
+            return
+        done = sum(1 for r in self.runs if r.status == "done")
+        failed = sum(1 for r in self.runs if r.status == "failed")
+        running = [r.dir for r in self.runs if r.status == "running"]
+        rounds = sum(r.rounds if r.status != "failed" else 0 for r in self.runs) + sum(
+            p.config.federation.rounds
+            for p, r in zip(self.plan.points, self.runs)
+            if r.status == "failed"
+        )
+        note = f"running {len(running)}" if running else ""
+        self._progress.update(
+            self._task,
+            completed=min(rounds, self.total_rounds),
+            done=done,
+            failed=f"failed {failed}" if failed else "",
+            note=note,
+        )
+
+
+def format_sweep_result(result: SweepResult) -> str:
+    """The closing summary: counts, then every failed run with its error line."""
+    n = len(result.runs)
+    done = sum(1 for r in result.runs if r.status == "done")
+    lines = [
+        f"sweep {result.sweep_dir}: {done}/{n} runs complete "
+        f"({result.count('reused')} already done, {result.count('ran')} ran, "
+        f"{result.count('resumed')} resumed), {len(result.failed)} failed, "
+        f"{_duration(result.wall_s)}"
+    ]
+    for r in result.failed:
+        lines.append(f"  FAILED {r.dir}: {r.error}")
+        err = result.sweep_dir / r.dir / ERROR_FILE
+        if err.exists():
+            lines.append(f"         traceback: {err}")
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    m, s = divmod(round(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"

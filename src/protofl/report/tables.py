@@ -1,0 +1,534 @@
+"""Paper-style result tables from finished run folders: per-domain accuracy, AVG and STD in
+percent, grouped by config keys, mean +- std over the runs (seeds) of a group, best marked.
+
+Definitions (both papers' conventions are available through ``metric``):
+
+* ``final``: the final round's accuracies (VPDR) -- ``summary.json`` ``acc``, ``avg_acc``,
+  ``std_acc``;
+* ``last5``: the mean over the last 5 rounds (FedDAP) of every reported number -- each domain's
+  accuracy, AVG and STD are averaged over the last ``min(5, rounds)`` rows of ``metrics.jsonl``.
+
+AVG is the mean over domains of the per-domain accuracy (a domain with several clients counts
+once, its clients averaged), STD the population standard deviation over domains; both as the
+engine computes them.  Over the runs of a group a cell shows ``mean +- std`` with the *sample*
+standard deviation (ddof=1); a group of one run shows the mean alone.  The best value of each
+column is marked (highest; for STD the lowest), ties all marked, nothing marked when every row
+shows the same value or there is only one row.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import io
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+ALIASES: dict[str, str] = {
+    "method": "method.name",
+    "mechanism": "privacy.mechanism",
+    "epsilon": "privacy.epsilon",
+    "eps": "privacy.epsilon",
+    "dataset": "data.name",
+    "data": "data.name",
+    "domains": "data.domains",
+    "dcr": "privacy.dcr",
+    "delta": "privacy.delta",
+    "clip": "privacy.clip",
+    "rho": "privacy.vpp_rho",
+    "ratio": "privacy.vpp_ratio",
+    "backbone": "backbone.name",
+    "rounds": "federation.rounds",
+    "partition": "data.partition",
+    "alpha": "data.dirichlet_alpha",
+    "seed": "seed",
+}
+SHORT: dict[str, str] = {}
+for _alias, _key in ALIASES.items():
+    SHORT.setdefault(_key, _alias)
+
+METRICS = ("final", "last5")
+FORMATS = ("md", "csv", "latex", "html")
+AVG, STD, HOLDOUT = "AVG", "STD", "held-out"
+IGNORED_VARYING = ("name", "seed", "run.")
+
+
+class NotARun(ValueError):
+    """A folder that is not a finished run; the message says why."""
+
+
+def resolve_key(key: str) -> str:
+    """Short name -> dotted config key (``mechanism`` -> ``privacy.mechanism``)."""
+    return ALIASES.get(key.strip(), key.strip())
+
+
+def display_key(key: str) -> str:
+    """Dotted key -> the column header (its short name when it has one)."""
+    return SHORT.get(key, key)
+
+
+# --------------------------------------------------------------------------------------------
+# run folders
+# --------------------------------------------------------------------------------------------
+@dataclass
+class RunRecord:
+    """A finished run folder: its resolved config, summary and (lazily) its per-round metrics."""
+
+    path: Path
+    config: dict[str, Any]
+    summary: dict[str, Any]
+    _metrics: list[dict[str, Any]] | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        """The folder name."""
+        return self.path.name
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        """Rows of ``metrics.jsonl`` (empty when the file is missing)."""
+        if self._metrics is None:
+            self._metrics = read_metrics(self.path)
+        return self._metrics
+
+    def value(self, key: str) -> Any:
+        """A config value by dotted or short key; epsilon is None without a privacy mechanism."""
+        key = resolve_key(key)
+        if key == "privacy.epsilon" and self.value("privacy.mechanism") == "none":
+            return None
+        node: Any = self.config
+        for part in key.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                return None
+            node = node[part]
+        return node
+
+    @property
+    def domains(self) -> list[str]:
+        """Domain names in the run's order."""
+        return [str(d) for d in self.summary.get("domains") or self.summary.get("acc", {})]
+
+    def scores(self, metric: str = "final") -> dict[str, float]:
+        """Per-domain accuracy, AVG, STD (and held-out when the run has it), as fractions."""
+        if metric not in METRICS:
+            raise ValueError(f"metric {metric!r} is unknown; choose one of: {', '.join(METRICS)}")
+        if metric == "final":
+            s = self.summary
+            out = {str(k): float(v) for k, v in s["acc"].items()}
+            out[AVG] = float(s["avg_acc"])
+            out[STD] = float(s["std_acc"])
+            if s.get("holdout_acc") is not None:
+                out[HOLDOUT] = float(s["holdout_acc"])
+            return out
+        rows = self.metrics[-5:]
+        if not rows:
+            raise NotARun(f"{self.path}: no metrics.jsonl rows for --metric last5")
+        out = {}
+        for d in rows[-1]["acc"]:
+            vals = [r["acc"][d] for r in rows if d in r.get("acc", {})]
+            out[str(d)] = float(np.mean(vals))
+        out[AVG] = float(np.mean([r["avg_acc"] for r in rows]))
+        out[STD] = float(np.mean([r["std_acc"] for r in rows]))
+        held = [float(r["holdout_acc"]) for r in rows if r.get("holdout_acc") is not None]
+        if held:
+            out[HOLDOUT] = float(np.mean(held))
+        return out
+
+    def epsilon_spent(self) -> float | None:
+        """The largest epsilon spent over clients (None without a guarantee)."""
+        eps = (self.summary.get("privacy") or {}).get("epsilon_spent")
+        if isinstance(eps, Mapping):
+            vals = [float(v) for v in eps.values() if v is not None]
+            return max(vals) if vals else None
+        return None
+
+    def attack(self, kind: str = "mia") -> dict[str, Any] | None:
+        """The parsed ``attack_<kind>.json`` of this run, when an attack was run on it."""
+        path = self.path / f"attack_{kind}.json"
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """``metrics.jsonl`` as a list of dicts; a torn last line (a killed run) is ignored."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def load_run(path: str | Path) -> RunRecord:
+    """Read a finished run folder; raises :class:`NotARun` saying why it is not one."""
+    path = Path(path)
+    if not path.exists():
+        raise NotARun("does not exist")
+    if not path.is_dir():
+        raise NotARun("not a folder")
+    summary_path = path / "summary.json"
+    config_path = path / "config.yaml"
+    if not summary_path.exists():
+        if config_path.exists():
+            hint = " (see error.txt)" if (path / "error.txt").exists() else ""
+            raise NotARun(f"not finished: no summary.json (running, stopped or failed){hint}")
+        raise NotARun("not a run folder (no config.yaml or summary.json)")
+    try:
+        summary = json.loads(summary_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise NotARun(f"summary.json is unreadable ({exc})") from None
+    if not isinstance(summary, dict) or not {"acc", "avg_acc", "std_acc"} <= set(summary):
+        raise NotARun("summary.json lacks acc/avg_acc/std_acc")
+    config: dict[str, Any] = {}
+    if config_path.exists():
+        config = _resolved_config(config_path)
+    return RunRecord(path=path, config=config, summary=summary)
+
+
+def _resolved_config(path: Path) -> dict[str, Any]:
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise NotARun(f"config.yaml is unreadable ({exc})") from None
+    if not isinstance(raw, dict):
+        raise NotARun("config.yaml does not hold a mapping")
+    try:
+        from protofl.config import ExperimentConfig
+
+        return ExperimentConfig.from_dict(raw).to_dict()
+    except Exception:  # an older or foreign config: use what it says
+        return raw
+
+
+def expand_paths(paths: Iterable[str | Path]) -> list[Path]:
+    """Run folders, sweep folders (their runs in grid order) and folders of runs -> folders."""
+    out: list[Path] = []
+    for p in paths:
+        p = Path(p)
+        if (p / "sweep.json").exists():
+            try:
+                status = json.loads((p / "sweep.json").read_text())
+                out += [p / r["dir"] for r in status.get("runs", [])]
+                continue
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        if p.is_dir() and not (p / "summary.json").exists() and not (p / "config.yaml").exists():
+            children = sorted(
+                c
+                for c in p.iterdir()
+                if c.is_dir() and ((c / "summary.json").exists() or (c / "config.yaml").exists())
+            )
+            if children:
+                out += children
+                continue
+        out.append(p)
+    return out
+
+
+def collect_runs(
+    paths: Iterable[str | Path], metric: str = "final"
+) -> tuple[list[RunRecord], list[tuple[Path, str]]]:
+    """Finished runs among ``paths`` (expanded), and ``(folder, reason)`` for every skipped one."""
+    runs: list[RunRecord] = []
+    skipped: list[tuple[Path, str]] = []
+    seen: set[Path] = set()
+    for p in expand_paths(paths):
+        rp = p.resolve()
+        if rp in seen:
+            continue
+        seen.add(rp)
+        try:
+            rec = load_run(p)
+            rec.scores(metric)
+        except NotARun as exc:
+            skipped.append((p, str(exc)))
+            continue
+        except (KeyError, TypeError, ValueError) as exc:
+            skipped.append((p, f"unreadable results ({type(exc).__name__}: {exc})"))
+            continue
+        runs.append(rec)
+    return runs, skipped
+
+
+# --------------------------------------------------------------------------------------------
+# aggregation
+# --------------------------------------------------------------------------------------------
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): node}
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, Mapping):
+        return json.dumps(value, sort_keys=True, default=str)
+    return value
+
+
+def default_by(runs: Sequence[RunRecord]) -> list[str]:
+    """Config keys that take different values among the runs (not the seed, name or run.*).
+
+    A key that some runs lack and that is constant where present (a method's own parameter)
+    does not count as varying.
+    """
+    flat = [_flatten(r.config) for r in runs]
+    keys: list[str] = []
+    for f in flat:
+        keys += [k for k in f if k not in keys]
+    varying = []
+    for key in keys:
+        if key in IGNORED_VARYING or any(key.startswith(p) for p in IGNORED_VARYING if "." in p):
+            continue
+        values = {_hashable(r.value(key)) for r, f in zip(runs, flat) if key in f}
+        if len(values) > 1:
+            varying.append(key)
+    return varying
+
+
+@dataclass
+class Cell:
+    """One table cell: mean and sample std (None for one run) over ``n`` runs, as fractions."""
+
+    mean: float
+    std: float | None
+    n: int
+
+
+@dataclass
+class Group:
+    """One row: the values of the group keys and the runs in it."""
+
+    key: tuple[Any, ...]
+    runs: list[RunRecord]
+    cells: dict[str, Cell]
+
+
+@dataclass
+class ResultTable:
+    """An aggregated table, ready for :func:`format_table`."""
+
+    by: list[str]
+    columns: list[str]
+    groups: list[Group]
+    metric: str
+
+    def best(self, column: str, digits: int = 2) -> set[int]:
+        """Indices of the rows holding the best shown value of ``column``."""
+        vals = {
+            i: round(100 * g.cells[column].mean, digits)
+            for i, g in enumerate(self.groups)
+            if column in g.cells and math.isfinite(g.cells[column].mean)
+        }
+        if len(vals) < 2 or len(set(vals.values())) < 2:
+            return set()
+        target = min(vals.values()) if column == STD else max(vals.values())
+        return {i for i, v in vals.items() if v == target}
+
+
+def aggregate(
+    runs: Sequence[RunRecord], by: Sequence[str] | None = None, metric: str = "final"
+) -> ResultTable:
+    """Group runs by config keys and average every column over each group's runs."""
+    if not runs:
+        raise ValueError("no finished runs to tabulate")
+    keys = [resolve_key(k) for k in by] if by is not None else default_by(runs)
+    groups: dict[tuple[Any, ...], list[RunRecord]] = {}
+    for r in runs:
+        groups.setdefault(tuple(_hashable(r.value(k)) for k in keys), []).append(r)
+    domains: list[str] = []
+    extra: list[str] = []
+    for r in runs:
+        sc = r.scores(metric)
+        domains += [d for d in r.domains if d in sc and d not in domains]
+        domains += [d for d in sc if d not in (AVG, STD, HOLDOUT) and d not in domains]
+        if HOLDOUT in sc and HOLDOUT not in extra:
+            extra.append(HOLDOUT)
+    columns = [*domains, AVG, STD, *extra]
+    out = []
+    for key, members in groups.items():
+        per_col: dict[str, list[float]] = {}
+        for r in members:
+            for col, v in r.scores(metric).items():
+                per_col.setdefault(col, []).append(v)
+        cells = {}
+        for col in columns:
+            vals = per_col.get(col)
+            if not vals:
+                continue
+            arr = np.asarray(vals, dtype=np.float64)
+            cells[col] = Cell(
+                mean=float(arr.mean()),
+                std=float(arr.std(ddof=1)) if len(arr) > 1 else None,
+                n=len(arr),
+            )
+        out.append(Group(key=key, runs=list(members), cells=cells))
+    return ResultTable(by=keys, columns=columns, groups=out, metric=metric)
+
+
+# --------------------------------------------------------------------------------------------
+# formatting
+# --------------------------------------------------------------------------------------------
+def format_value(key: str, value: Any, fmt: str = "md") -> str:
+    """A group-key value as shown in a table (epsilon None = no privacy = infinity)."""
+    if value is None:
+        if resolve_key(key) == "privacy.epsilon":
+            return {"latex": r"$\infty$", "csv": "inf"}.get(fmt, "∞")
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, tuple | list):
+        return "+".join(format_value(key, v, fmt) for v in value)
+    return str(value)
+
+
+def _cell_text(cell: Cell | None, digits: int, pm: str) -> str:
+    if cell is None:
+        return "-"
+    text = f"{100 * cell.mean:.{digits}f}"
+    if cell.std is not None:
+        text += f"{pm}{100 * cell.std:.{digits}f}"
+    return text
+
+
+_LATEX_SPECIAL = {
+    "\\": r"\textbackslash{}",
+    "&": r"\&",
+    "%": r"\%",
+    "$": r"\$",
+    "#": r"\#",
+    "_": r"\_",
+    "{": r"\{",
+    "}": r"\}",
+    "~": r"\textasciitilde{}",
+    "^": r"\textasciicircum{}",
+}
+
+
+def latex_escape(text: str) -> str:
+    """Escape LaTeX's special characters."""
+    return "".join(_LATEX_SPECIAL.get(ch, ch) for ch in text)
+
+
+def format_table(table: ResultTable, fmt: str = "md", digits: int = 2) -> str:
+    """Render as Markdown, CSV, LaTeX (booktabs) or an HTML ``<table>``."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format {fmt!r} is unknown; choose one of: {', '.join(FORMATS)}")
+    best = {col: table.best(col, digits) for col in table.columns}
+    heads = [display_key(k) for k in table.by]
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(
+            [*heads, "n"] + [f"{c}_{s}" for c in table.columns for s in ("mean", "std")] + ["best"]
+        )
+        for i, g in enumerate(table.groups):
+            row = [format_value(k, v, "csv") for k, v in zip(table.by, g.key)]
+            row.append(str(len(g.runs)))
+            for col in table.columns:
+                cell = g.cells.get(col)
+                row.append("" if cell is None else f"{100 * cell.mean:.4f}")
+                row.append("" if cell is None or cell.std is None else f"{100 * cell.std:.4f}")
+            row.append(";".join(c for c in table.columns if i in best[c]))
+            w.writerow(row)
+        return buf.getvalue()
+    rows = []
+    for i, g in enumerate(table.groups):
+        pm = {"md": " ± ", "latex": r" $\pm$ ", "html": " ± "}[fmt]
+        cells = []
+        for col in table.columns:
+            text = _cell_text(g.cells.get(col), digits, pm)
+            if i in best[col]:
+                text = {
+                    "md": f"**{text}**",
+                    "latex": rf"\textbf{{{text}}}",
+                    "html": f"<strong>{html.escape(text)}</strong>",
+                }[fmt]
+            elif fmt == "html":
+                text = html.escape(text)
+            cells.append(text)
+        keys = [format_value(k, v, fmt) for k, v in zip(table.by, g.key)]
+        if fmt == "latex":
+            keys = [k if k == r"$\infty$" else latex_escape(k) for k in keys]
+        elif fmt == "html":
+            keys = [html.escape(k) for k in keys]
+        rows.append([*keys, str(len(g.runs)), *cells])
+    cols = [*heads, "n", *table.columns]
+    if fmt == "md":
+        align = [":--"] * len(heads) + ["--:"] * (1 + len(table.columns))
+        lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(align) + "|"]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines) + "\n"
+    if fmt == "latex":
+        spec = "l" * len(heads) + "r" * (1 + len(table.columns))
+        head = [latex_escape(c) for c in heads] + ["$n$"] + [latex_escape(c) for c in table.columns]
+        lines = [
+            f"\\begin{{tabular}}{{{spec}}}",
+            r"\toprule",
+            " & ".join(head) + r" \\",
+            r"\midrule",
+            *[" & ".join(r) + r" \\" for r in rows],
+            r"\bottomrule",
+            r"\end{tabular}",
+        ]
+        return "\n".join(lines) + "\n"
+    head_html = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f'<td class="{"key" if j < len(heads) else "num"}">{c}</td>' for j, c in enumerate(r)
+        )
+        + "</tr>\n"
+        for r in rows
+    )
+    return (
+        f'<table class="results">\n<thead><tr>{head_html}</tr></thead>\n<tbody>\n{body}'
+        "</tbody>\n</table>\n"
+    )
+
+
+def describe_metric(metric: str) -> str:
+    """One line saying what the numbers are."""
+    which = "final round" if metric == "final" else "mean of the last 5 rounds"
+    return (
+        f"Accuracy (%), {which}; AVG = mean over domains, STD = std over domains; "
+        "mean ± sample std over the runs of a row (n); best per column marked (STD: lowest)."
+    )
+
+
+def table_from_paths(
+    paths: Iterable[str | Path],
+    by: Sequence[str] | None = None,
+    metric: str = "final",
+    fmt: str = "md",
+) -> tuple[str, list[tuple[Path, str]]]:
+    """Convenience: collect, aggregate and format; returns the text and the skipped folders."""
+    runs, skipped = collect_runs(paths, metric)
+    if not runs:
+        listed = "; ".join(f"{p}: {why}" for p, why in skipped) or "no folders given"
+        raise ValueError(f"no finished runs to tabulate ({listed})")
+    return format_table(aggregate(runs, by, metric), fmt), skipped

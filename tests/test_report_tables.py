@@ -1,0 +1,185 @@
+"""Tables from hand-made run folders: known numbers in, known table out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from protofl.report.cli import add_report_parsers
+from protofl.report.tables import aggregate, collect_runs, format_table, load_run
+
+
+def make_run(
+    root: Path,
+    name: str,
+    *,
+    method: str,
+    mechanism: str,
+    seed: int,
+    acc: dict[str, float],
+    epsilon: float = 1.0,
+    rows: list[dict[str, float]] | None = None,
+) -> Path:
+    """A finished run folder with exactly these numbers (fractions)."""
+    d = root / name
+    d.mkdir(parents=True)
+    config = {
+        "name": name,
+        "seed": seed,
+        "method": {"name": method},
+        "privacy": {"mechanism": mechanism, "epsilon": epsilon},
+    }
+    (d / "config.yaml").write_text(yaml.safe_dump(config))
+    vals = list(acc.values())
+    rows = rows or [acc]
+    metrics = []
+    for i, r in enumerate(rows):
+        v = list(r.values())
+        metrics.append(
+            {
+                "round": i + 1,
+                "acc": r,
+                "avg_acc": float(np.mean(v)),
+                "std_acc": float(np.std(v)),
+                "train_loss": 1.0 / (i + 1),
+                "wall_s": 0.5,
+                "privacy": {},
+                "holdout_acc": None,
+            }
+        )
+    (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    summary: dict[str, Any] = {
+        "acc": acc,
+        "avg_acc": float(np.mean(vals)),
+        "std_acc": float(np.std(vals)),
+        "avg_acc_last5": float(np.mean([m["avg_acc"] for m in metrics[-5:]])),
+        "rounds": len(rows),
+        "wall_s": 1.0,
+        "method": method,
+        "dataset": "hand",
+        "domains": list(acc),
+        "privacy": {"mechanism": mechanism, "epsilon_spent": {"A": None, "B": None}},
+    }
+    (d / "summary.json").write_text(json.dumps(summary))
+    return d
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> Path:
+    root = tmp_path / "runs"
+    make_run(root, "r1", method="fedproto", mechanism="none", seed=0, acc={"A": 0.80, "B": 0.60})
+    make_run(root, "r2", method="fedproto", mechanism="none", seed=1, acc={"A": 0.90, "B": 0.70})
+    make_run(root, "r3", method="fedproto", mechanism="vpdr", seed=0, acc={"A": 0.70, "B": 0.66})
+    make_run(root, "r4", method="fedproto", mechanism="vpdr", seed=1, acc={"A": 0.74, "B": 0.70})
+    make_run(root, "r5", method="fpl", mechanism="vpdr", seed=0, acc={"A": 0.75, "B": 0.55})
+    (root / "empty").mkdir()  # not a run: ignored when expanding the folder of runs
+    stopped = root / "stopped"
+    stopped.mkdir()
+    (stopped / "config.yaml").write_text("seed: 0\n")  # a run that never finished
+    return root
+
+
+EXPECTED_MD = """\
+| method | mechanism | n | A | B | AVG | STD |
+|:--|:--|--:|--:|--:|--:|--:|
+| fedproto | none | 2 | **85.00 ± 7.07** | 65.00 ± 7.07 | **75.00 ± 7.07** | 10.00 ± 0.00 |
+| fedproto | vpdr | 2 | 72.00 ± 2.83 | **68.00 ± 2.83** | 70.00 ± 2.83 | **2.00 ± 0.00** |
+| fpl | vpdr | 1 | 75.00 | 55.00 | 65.00 | 10.00 |
+"""
+
+
+def test_markdown_table_mean_std_and_best(runs: Path) -> None:
+    found, skipped = collect_runs([runs])
+    assert [r.name for r in found] == ["r1", "r2", "r3", "r4", "r5"]
+    assert [(p.name, why.split(":")[0]) for p, why in skipped] == [("stopped", "not finished")]
+    table = aggregate(found, by=["method", "mechanism"])
+    assert format_table(table, "md") == EXPECTED_MD
+
+
+def test_latex_and_csv(runs: Path) -> None:
+    found, _ = collect_runs([runs])
+    table = aggregate(found, by=["method", "mechanism"])
+    latex = format_table(table, "latex").splitlines()
+    assert latex[0] == r"\begin{tabular}{llrrrrr}"
+    assert latex[2] == r"method & mechanism & $n$ & A & B & AVG & STD \\"
+    assert latex[4] == (
+        r"fedproto & none & 2 & \textbf{85.00 $\pm$ 7.07} & 65.00 $\pm$ 7.07 & "
+        r"\textbf{75.00 $\pm$ 7.07} & 10.00 $\pm$ 0.00 \\"
+    )
+    assert latex[-1] == r"\end{tabular}"
+    csv_lines = format_table(table, "csv").splitlines()
+    assert csv_lines[0] == (
+        "method,mechanism,n,A_mean,A_std,B_mean,B_std,AVG_mean,AVG_std,STD_mean,STD_std,best"
+    )
+    assert csv_lines[1] == (
+        "fedproto,none,2,85.0000,7.0711,65.0000,7.0711,75.0000,7.0711,10.0000,0.0000,A;AVG"
+    )
+    assert csv_lines[3] == "fpl,vpdr,1,75.0000,,55.0000,,65.0000,,10.0000,,"
+
+
+def test_default_grouping_uses_keys_that_differ(runs: Path) -> None:
+    found, _ = collect_runs([runs])
+    table = aggregate(found)  # method, mechanism and epsilon differ (epsilon: none = infinity)
+    assert table.by == ["method.name", "privacy.mechanism", "privacy.epsilon"]
+    md = format_table(table, "md").splitlines()
+    assert md[0] == "| method | mechanism | epsilon | n | A | B | AVG | STD |"
+    assert md[2].startswith("| fedproto | none | ∞ | 2 |")
+
+
+def test_last5_averages_the_last_five_rounds(tmp_path: Path) -> None:
+    rows = [{"A": 0.1 * i, "B": 0.05 * i} for i in range(1, 8)]  # 7 rounds
+    d = make_run(
+        tmp_path, "long", method="fedproto", mechanism="none", seed=0, acc=rows[-1], rows=rows
+    )
+    rec = load_run(d)
+    sc = rec.scores("last5")
+    assert sc["A"] == pytest.approx(np.mean([0.3, 0.4, 0.5, 0.6, 0.7]))
+    assert sc["B"] == pytest.approx(np.mean([0.15, 0.2, 0.25, 0.3, 0.35]))
+    assert sc["AVG"] == pytest.approx(np.mean([(r["A"] + r["B"]) / 2 for r in rows[2:]]))
+    assert sc["STD"] == pytest.approx(np.mean([abs(r["A"] - r["B"]) / 2 for r in rows[2:]]))
+    final = rec.scores("final")
+    assert final["A"] == pytest.approx(0.7)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="protofl")
+    add_report_parsers(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+def test_cli_table_lists_and_skips_non_runs(
+    runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "not-a-run").mkdir()
+    args = _parse(
+        ["table", str(runs), str(tmp_path / "not-a-run"), str(tmp_path / "missing"),
+         "--by", "method,mechanism"]
+    )  # fmt: skip
+    assert args.func(args) == 0
+    out, err = capsys.readouterr()
+    assert out == EXPECTED_MD
+    assert "stopped: not finished" in err
+    assert "not-a-run: not a run folder" in err
+    assert "missing: does not exist" in err
+    args = _parse(["table", str(tmp_path / "not-a-run")])
+    with pytest.raises(ValueError, match="no finished runs"):
+        args.func(args)
+
+
+def test_sweep_folder_expands_to_its_runs(runs: Path, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    for name in ("r1", "r3"):
+        (runs / name).rename(sweep / name)
+    (sweep / "sweep.json").write_text(
+        json.dumps({"runs": [{"dir": "r3"}, {"dir": "r1"}, {"dir": "r9"}]})
+    )
+    found, skipped = collect_runs([sweep])
+    assert [r.name for r in found] == ["r3", "r1"]  # grid order from sweep.json
+    assert [p.name for p, _ in skipped] == ["r9"]
