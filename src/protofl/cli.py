@@ -12,6 +12,10 @@ from protofl.config import ConfigError, ExperimentConfig
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    if getattr(args, "engine", "sim") == "flower":
+        from protofl.engine.flower.run import run_with_flower
+
+        return run_with_flower(args)
     from protofl.engine.runner import run_experiment
     from protofl.report.console import print_summary
 
@@ -81,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
+    from protofl.engine.flower.run import add_flower_app_parser, add_flower_arguments
+
+    add_flower_arguments(run)
     run.set_defaults(func=_cmd_run)
 
     ds = sub.add_parser("datasets", help="list data sets and whether each is available")
@@ -94,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     from protofl.report.cli import add_report_parsers
 
     add_report_parsers(sub)
+    add_flower_app_parser(sub)
     try:
         from protofl.privacy.cli import add_privacy_parser, run_privacy
     except ImportError:  # pragma: no cover

@@ -1,0 +1,327 @@
+"""The Flower ``ClientApp``: one protofl client per SuperNode, built from the run config.
+
+The client is the very object the in-process simulator uses: the app builds a
+:class:`~protofl.engine.simulation.Simulation` from the experiment config (once per process,
+see *Caching* below) and drives ``sim.clients[partition_id]`` with the simulator's own
+``collect_uploads`` (model features -> privacy mechanism -> ledger), ``train_client`` and the
+same evaluation, so both engines run the same code.
+
+Messages (the strategy sends them in this order every round):
+
+* ``query.hello``: which partition, domain, how many samples; no data leaves.
+* ``train.release``: features of the current model go through the configured privacy mechanism
+  **on the client**; only the noisy release leaves (LDP: the server never sees an un-noised
+  prototype).  The client's ledger is charged before the reply is sent.
+* ``train``: local epochs against the broadcast global state; replies the mean loss (and the
+  model weights, for methods that share them).
+* ``evaluate``: loads averaged weights if any, evaluates on the client's test set.
+
+State across rounds: everything mutable (model, optimiser, method ``ClientState``, DCR teacher,
+privacy ledger, RNG states, mechanism counters) is saved into ``context.state["protofl"]``
+after every message and restored before the next, so it survives Flower's ephemeral ClientApps
+(and Ray actors that move a partition between processes).
+
+Caching: the immutable part (the config, the federated data and the simulator skeleton) is
+cached per process, keyed by the config; building it costs a data-set load, which for a real
+deployment happens once per ClientApp process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from protofl.config import ExperimentConfig
+from protofl.engine.flower.codec import (
+    decode_global_state,
+    encode_upload,
+    finite_metrics,
+    pack_state,
+    record_to_tensors,
+    unpack_state,
+)
+from protofl.engine.simulation import EVAL_BATCH, Client, Simulation
+from protofl.methods.base import Upload
+
+log = logging.getLogger(__name__)
+
+STATE_KEY = "protofl"
+"""Key of the client's saved state in ``context.state``."""
+
+CONFIG_KEY = "protofl-config"
+"""Run-config key holding the experiment config as JSON."""
+
+OVERRIDES_KEY = "protofl-set"
+"""Run-config key holding ``;``-separated ``key=value`` overrides applied on top."""
+
+
+def config_from_run_config(run_config: Any) -> ExperimentConfig:
+    """The experiment config carried by a Flower run config (``protofl-config`` JSON plus
+    ``protofl-set`` overrides)."""
+    if CONFIG_KEY not in run_config:
+        raise ValueError(
+            f"the Flower run config has no {CONFIG_KEY!r}; generate the app with "
+            "`protofl flower-app OUT_DIR CONFIG` or pass the config to make_client_app"
+        )
+    config = ExperimentConfig.from_dict(json.loads(str(run_config[CONFIG_KEY])), source=CONFIG_KEY)
+    overrides = [s.strip() for s in str(run_config.get(OVERRIDES_KEY, "")).split(";")]
+    return config.with_overrides([s for s in overrides if s])
+
+
+def config_key(config: ExperimentConfig) -> str:
+    """A stable key for a config (its canonical JSON)."""
+    return json.dumps(config.to_dict(), sort_keys=True)
+
+
+@dataclass
+class ClientRuntime:
+    """The per-process, immutable part of the clients: config, data, simulator skeleton."""
+
+    config: ExperimentConfig
+    sim: Simulation
+    initial: dict[int, dict[str, Any]]
+
+
+_RUNTIMES: dict[tuple[str, str], ClientRuntime] = {}
+_LOCK = threading.Lock()
+
+
+def get_runtime(config: ExperimentConfig, home: Path | None = None) -> ClientRuntime:
+    """The cached runtime for ``config`` (built on first use in this process)."""
+    from protofl.data.cache import protofl_home
+    from protofl.engine.federated_data import build_federated_data
+
+    home = Path(home) if home is not None else protofl_home()
+    key = (config_key(config), str(home))
+    with _LOCK:
+        runtime = _RUNTIMES.get(key)
+        if runtime is None:
+            data = build_federated_data(config, home)
+            sim = Simulation(config, data)
+            initial = {c.data.client: client_state(sim, c) for c in sim.clients}
+            runtime = ClientRuntime(config=config, sim=sim, initial=initial)
+            _RUNTIMES.clear()  # one experiment per process at a time; free the last one
+            _RUNTIMES[key] = runtime
+    return runtime
+
+
+# ----- one client's mutable state -----------------------------------------------------------
+def _own_mechanism_state(state: Any, name: str) -> Any:
+    """The mechanism's state restricted to one client's entries (its state is keyed by name)."""
+    if not isinstance(state, dict):
+        return state
+    return {
+        k: ({name: v[name]} if name in v else {}) if isinstance(v, dict) else v
+        for k, v in state.items()
+    }
+
+
+def client_state(sim: Simulation, c: Client) -> dict[str, Any]:
+    """Everything one client changes across rounds (the per-client part of
+    ``Simulation.state_dict``, plus its mechanism counters)."""
+    mech = sim.mechanism.state_dict() if hasattr(sim.mechanism, "state_dict") else {}
+    return {
+        "model": {k: v.clone() for k, v in c.model.state_dict().items()},
+        "optimizer": c.optimizer.state_dict(),
+        "state": dict(c.state.tensors),
+        "ledger": c.ledger.state_dict(),
+        "train_gen": c.train_gen.get_state(),
+        "noise_gen": c.noise_gen.get_state(),
+        "dcr": None if c.dcr is None else c.dcr.state_dict(),
+        "mechanism": _own_mechanism_state(mech, c.data.name),
+    }
+
+
+def load_client_state(sim: Simulation, c: Client, state: dict[str, Any]) -> None:
+    """Inverse of :func:`client_state`."""
+    import copy
+
+    state = copy.deepcopy(state)
+    c.model.load_state_dict(state["model"])
+    c.optimizer.load_state_dict(state["optimizer"])
+    c.state.tensors = dict(state["state"])
+    c.ledger.load_state_dict(state["ledger"])
+    c.train_gen.set_state(state["train_gen"])
+    c.noise_gen.set_state(state["noise_gen"])
+    if c.dcr is not None:
+        c.dcr.load_state_dict(state["dcr"])
+    if hasattr(sim.mechanism, "load_state_dict"):
+        sim.mechanism.load_state_dict(state["mechanism"])
+
+
+@torch.no_grad()
+def evaluate_client(sim: Simulation, c: Client) -> float:
+    """One client's accuracy on its domain's test set (``Simulation.evaluate`` for one client)."""
+    c.model.eval()
+    correct = 0
+    for start in range(0, len(c.data.test_y), EVAL_BATCH):
+        z = c.data.test_z[start : start + EVAL_BATCH]
+        y = c.data.test_y[start : start + EVAL_BATCH]
+        pred = sim.method.predict(c.model, z, sim.global_state, c.state)
+        correct += int((pred == y).sum())
+    return correct / max(len(c.data.test_y), 1)
+
+
+@torch.no_grad()
+def evaluate_client_holdout(sim: Simulation, c: Client) -> float | None:
+    """One client's accuracy on the held-out domain (``Simulation.evaluate_holdout``'s term)."""
+    if sim.data.holdout is None:
+        return None
+    _, z, y = sim.data.holdout
+    c.model.eval()
+    correct = 0
+    for start in range(0, len(y), EVAL_BATCH):
+        pred = sim.method.predict(c.model, z[start : start + EVAL_BATCH], sim.global_state, c.state)
+        correct += int((pred == y[start : start + EVAL_BATCH]).sum())
+    return correct / max(len(y), 1)
+
+
+# ----- the app ------------------------------------------------------------------------------
+Handler = Callable[[Simulation, Client, Message], RecordDict]
+
+
+def _server_round(msg: Message) -> int:
+    cfg = msg.content.get("config", ConfigRecord())
+    return int(cfg.get("server-round", 0))  # type: ignore[arg-type]
+
+
+def _hello(sim: Simulation, c: Client, msg: Message) -> RecordDict:
+    d = c.data
+    return RecordDict(
+        {
+            "hello": ConfigRecord(
+                {
+                    "partition-id": d.client,
+                    "name": d.name,
+                    "domain": d.domain,
+                    "domain-name": d.domain_name,
+                    "num-samples": d.num_train,
+                    "num-test": len(d.test_y),
+                    "num-clients": len(sim.clients),
+                    "num-classes": sim.data.num_classes,
+                    "num-domains": len(sim.data.domains),
+                    "has-holdout": sim.data.holdout is not None,
+                    "method": sim.method.name,
+                    "mechanism": sim.mechanism.name,
+                }
+            )
+        }
+    )
+
+
+def _release(sim: Simulation, c: Client, msg: Message) -> RecordDict:
+    active = [other is c for other in sim.clients]
+    (upload,) = sim.collect_uploads(active)  # privacy mechanism applied, ledger charged
+    sim.releases.clear()
+    content = encode_upload(upload)
+    content["metrics"] = finite_metrics(
+        {"num-examples": c.data.num_train, "client-epsilon": c.ledger.epsilon_spent()}
+    )
+    return content
+
+
+def _train(sim: Simulation, c: Client, msg: Message) -> RecordDict:
+    sim.global_state = decode_global_state(msg.content.get("global", ArrayRecord()))
+    loss = sim.train_client(c)
+    weights = None
+    if sim.method.shares_weights:
+        weights = {k: v.detach().clone() for k, v in c.model.state_dict().items()}
+    upload = Upload(
+        client=c.data.client,
+        domain=c.data.domain,
+        release=None,
+        num_samples=c.data.num_train,
+        weights=weights,
+    )
+    content = encode_upload(upload)
+    content["metrics"] = MetricRecord({"train-loss": float(loss), "num-examples": c.data.num_train})
+    return content
+
+
+def _evaluate(sim: Simulation, c: Client, msg: Message) -> RecordDict:
+    sim.global_state = decode_global_state(msg.content.get("global", ArrayRecord()))
+    if "weights" in msg.content:
+        c.model.load_state_dict(record_to_tensors(msg.content["weights"], "weights"))
+    acc = evaluate_client(sim, c)
+    metrics: dict[str, Any] = {
+        "partition-id": c.data.client,
+        "accuracy": acc,
+        "num-examples": len(c.data.test_y),
+    }
+    holdout = evaluate_client_holdout(sim, c)
+    if holdout is not None:
+        metrics["holdout-accuracy"] = holdout
+    return RecordDict({"metrics": MetricRecord(metrics)})
+
+
+def _run(
+    handler: Handler,
+    phase: str,
+    msg: Message,
+    context: Context,
+    config: ExperimentConfig | None,
+    home: Path | None,
+) -> Message:
+    cfg = config if config is not None else config_from_run_config(context.run_config)
+    runtime = get_runtime(cfg, home)
+    sim = runtime.sim
+    pid = int(context.node_config.get("partition-id", -1))  # type: ignore[call-overload]
+    if not 0 <= pid < len(sim.clients):
+        raise ValueError(
+            f"node {context.node_id}: partition-id {pid} is outside 0..{len(sim.clients) - 1} "
+            "(set it with --node-config 'partition-id=N num-partitions=M')"
+        )
+    c = sim.clients[pid]
+    rnd = _server_round(msg)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.run.threads or 1)
+    try:
+        if STATE_KEY in context.state:
+            load_client_state(sim, c, unpack_state(context.state[STATE_KEY]))  # type: ignore[arg-type]
+        else:
+            load_client_state(sim, c, runtime.initial[pid])
+        sim.round = max(rnd - 1, 0)
+        try:
+            content = handler(sim, c, msg)
+        except Exception as exc:
+            raise RuntimeError(
+                f"client {c.data.name!r} (partition {pid}), round {rnd}, {phase}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        context.state[STATE_KEY] = pack_state(client_state(sim, c))
+    finally:
+        torch.set_num_threads(threads)
+    return Message(content=content, reply_to=msg)
+
+
+def make_client_app(config: ExperimentConfig | None = None, home: Path | None = None) -> ClientApp:
+    """A ClientApp running protofl's client; ``config`` None: read it from the run config
+    (``protofl-config`` / ``protofl-set``), as apps launched by ``flwr run`` do."""
+    app = ClientApp()
+
+    @app.query("hello")
+    def hello(msg: Message, context: Context) -> Message:
+        return _run(_hello, "hello", msg, context, config, home)
+
+    @app.train("release")
+    def release(msg: Message, context: Context) -> Message:
+        return _run(_release, "release", msg, context, config, home)
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        return _run(_train, "train", msg, context, config, home)
+
+    @app.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        return _run(_evaluate, "evaluate", msg, context, config, home)
+
+    return app

@@ -1,0 +1,284 @@
+"""A real Flower deployment on this machine's loopback: one SuperLink, N SuperNodes, ``flwr run``.
+
+    python -m protofl.engine.flower.deploy [CONFIG] [--set K=V ...] [--workdir DIR]
+
+starts ``flower-superlink`` and one ``flower-supernode`` per client on 127.0.0.1 (insecure:
+loopback only; TLS is required anywhere else, see docs/distributed.md), writes a Flower App for
+the config, runs it with ``flwr run`` against them and stops every process it started, by its
+id, whether the run passed or failed.
+
+Every process is started in its own session, so its process group id is its pid; stopping sends
+SIGTERM to that group (the SuperLink's and SuperNodes' SuperExec and ClientApp children belong
+to it), then SIGKILL to whatever is left after a grace period.  Nothing is addressed by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from protofl.config import ExperimentConfig
+
+HOST = "127.0.0.1"
+CONNECTION = "protofl-loopback"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process {proc.pid} exited with {proc.returncode} before listening")
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.settimeout(0.5)
+            if s.connect_ex((HOST, port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on {HOST}:{port} after {timeout:.0f}s")
+
+
+def group_alive(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``, read from /proc."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # fields after the command (which may hold spaces) start after the last ')'
+        fields = stat[stat.rfind(")") + 2 :].split()
+        state, pg = fields[0], int(fields[2])
+        if pg == pgid and state != "Z":
+            alive.append(int(entry.name))
+    return alive
+
+
+@dataclass
+class LoopbackDeployment:
+    """A SuperLink and ``num_nodes`` SuperNodes on 127.0.0.1; a context manager that stops
+    every process it started on exit (pass or fail)."""
+
+    workdir: Path
+    num_nodes: int
+    port: int = 0
+    grace_s: float = 10.0
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.workdir = Path(self.workdir).absolute()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        self.flwr_home = self.workdir / "flwr-home"
+        self.flwr_home.mkdir(exist_ok=True)
+        (self.flwr_home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+            f'[superlink.{CONNECTION}]\naddress = "{HOST}:{self.port}"\ninsecure = true\n'
+        )
+
+    # ----- environment ---------------------------------------------------------------------
+    def env(self) -> dict[str, str]:
+        """The environment of every started process (venv on PATH, private FLWR_HOME)."""
+        env = dict(os.environ)
+        bindir = str(Path(sys.executable).parent)
+        env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+        env["FLWR_HOME"] = str(self.flwr_home)
+        env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def _exe(self, name: str) -> str:
+        path = Path(sys.executable).parent / name
+        return str(path) if path.exists() else name
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(
+            [self._exe(args[0]), *args[1:]],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env(),
+            cwd=self.workdir,
+            start_new_session=True,  # its own process group: pgid == pid
+        )
+        log.close()
+        self.procs.append(proc)
+        self.names.append(name)
+        return proc
+
+    # ----- lifecycle -------------------------------------------------------------------------
+    def start(self, timeout: float = 120.0) -> None:
+        """Start the SuperLink, wait until it listens, then start the SuperNodes."""
+        link = self._spawn(
+            "superlink",
+            [
+                "flower-superlink",
+                "--insecure",
+                "--host",
+                HOST,
+                "--port",
+                str(self.port),
+                "--disable-runtime-dependency-installation",
+            ],
+        )
+        _wait_port(self.port, link, timeout)
+        for i in range(self.num_nodes):
+            self._spawn(
+                f"supernode-{i}",
+                [
+                    "flower-supernode",
+                    "--insecure",
+                    "--superlink",
+                    f"{HOST}:{self.port}",
+                    "--host",
+                    HOST,
+                    "--port",
+                    str(free_port()),
+                    "--node-config",
+                    f"partition-id={i} num-partitions={self.num_nodes}",
+                ],
+            )
+
+    def start_run(self, app_dir: Path, *, run_config: str | None = None) -> subprocess.Popen[bytes]:
+        """Start ``flwr run APP protofl-loopback --stream`` (its output goes to flwr-run.log);
+        the process is stopped with the others."""
+        cmd = ["flwr", "run", str(app_dir), CONNECTION, "--stream"]
+        if run_config:
+            cmd += ["--run-config", run_config]
+        return self._spawn("flwr-run", cmd)
+
+    def flwr_run(
+        self, app_dir: Path, *, run_config: str | None = None, timeout: float = 900.0
+    ) -> int:
+        """Run the app and wait until its log stream ends; returns flwr's exit code."""
+        proc = self.start_run(app_dir, run_config=run_config)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._stop(proc)
+            raise TimeoutError(f"flwr run did not finish within {timeout:.0f}s") from None
+
+    def stop_node(self, index: int) -> None:
+        """Stop SuperNode ``index`` (a node that disappears)."""
+        name = f"supernode-{index}"
+        self._stop(self.procs[self.names.index(name)])
+
+    def _stop(self, proc: subprocess.Popen[bytes]) -> None:
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline and group_alive(proc.pid):
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.2)
+        if group_alive(proc.pid):
+            with suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=self.grace_s)
+
+    def stop(self) -> list[int]:
+        """Stop every started process group (SuperNodes first); returns pids still alive."""
+        for proc in reversed(self.procs):
+            self._stop(proc)
+        return [pid for proc in self.procs for pid in group_alive(proc.pid)]
+
+    def __enter__(self) -> LoopbackDeployment:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def logs(self) -> str:
+        """The tail of every process log (for error messages)."""
+        out = []
+        for name in self.names:
+            text = (self.workdir / f"{name}.log").read_text(errors="replace")
+            out.append(f"--- {name} ---\n{text[-3000:]}")
+        return "\n".join(out)
+
+
+def run_loopback(
+    config: ExperimentConfig,
+    workdir: str | Path,
+    *,
+    num_nodes: int | None = None,
+    round_timeout: float = 120.0,
+    timeout: float = 900.0,
+) -> dict[str, Any]:
+    """Write the app, deploy on loopback, ``flwr run`` it, stop everything; the run summary."""
+    from protofl.engine.flower.app import write_flower_app
+
+    workdir = Path(workdir).absolute()
+    runs = workdir / "runs"
+    if num_nodes is None:
+        from protofl.data.cache import protofl_home
+        from protofl.engine.federated_data import build_federated_data
+
+        num_nodes = len(build_federated_data(config, protofl_home()).clients)
+    app = write_flower_app(
+        workdir / "app",
+        config,
+        out_dir=runs,
+        round_timeout=round_timeout,
+        wait_timeout=min(timeout, 300.0),
+        num_supernodes=num_nodes,
+    )
+    with LoopbackDeployment(workdir, num_nodes) as dep:
+        code = dep.flwr_run(app, timeout=timeout)
+        summaries = sorted(runs.glob("*/summary.json")) if runs.exists() else []
+        if code != 0 or not summaries:
+            raise RuntimeError(f"flwr run failed (exit {code}):\n{dep.logs()}")
+    summary: dict[str, Any] = json.loads(summaries[-1].read_text())
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: deploy one experiment on loopback and print its summary as JSON."""
+    p = argparse.ArgumentParser(prog="python -m protofl.engine.flower.deploy", description=__doc__)
+    p.add_argument("config", nargs="?", help="experiment YAML (default: the embedded default)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--workdir", default="flower-loopback", help="logs, app and run folder")
+    p.add_argument("--nodes", type=int, default=None, help="SuperNodes (default: one per client)")
+    p.add_argument("--round-timeout", type=float, default=120.0)
+    p.add_argument("--timeout", type=float, default=900.0, help="limit for the whole run")
+    args = p.parse_args(argv)
+    config = ExperimentConfig.from_yaml(args.config) if args.config else ExperimentConfig()
+    config = config.with_overrides(args.set or [])
+    summary = run_loopback(
+        config,
+        args.workdir,
+        num_nodes=args.nodes,
+        round_timeout=args.round_timeout,
+        timeout=args.timeout,
+    )
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

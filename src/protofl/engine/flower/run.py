@@ -1,0 +1,202 @@
+"""``run_flower_simulation``: one protofl config through Flower's engine, and the CLI glue."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from protofl.config import ExperimentConfig
+from protofl.engine.simulation import RoundMetrics
+
+log = logging.getLogger("protofl")
+
+BACKENDS = ("ray", "inline")
+
+
+@dataclass
+class FlowerRunResult:
+    """Where the run was written (None: nowhere) and what it measured."""
+
+    run_dir: Path | None
+    summary: dict[str, Any]
+    history: list[RoundMetrics]
+
+
+def run_flower_simulation(
+    config: ExperimentConfig,
+    *,
+    out: str | Path | None = None,
+    home: Path | None = None,
+    backend: str = "ray",
+    num_cpus: float = 1.0,
+    round_timeout: float = 600.0,
+    silent_nodes: tuple[int, ...] = (),
+    ray_address: str | None = None,
+) -> FlowerRunResult:
+    """Run ``config`` with Flower's ServerApp/ClientApp on ``backend``; returns the summary.
+
+    ``ray``: Flower's Simulation Runtime (``flwr.simulation.run_simulation``, one virtual
+    SuperNode per client, ``num_cpus`` per ClientApp).  ``inline``: the same apps on an
+    :class:`~protofl.engine.flower.inline.InlineGrid` in this process (no Ray).  ``out``: a run
+    folder is written there (config.yaml, metrics.jsonl, summary.json), as ``protofl run`` does.
+    ``silent_nodes`` (inline only): partitions whose node never answers (fault drills).
+    ``ray_address``: join a running Ray cluster (``ray start --head`` / ``--address``; "auto"
+    finds the local one) instead of starting a private single-machine Ray.
+    """
+    from protofl.data.cache import protofl_home
+    from protofl.engine.federated_data import build_federated_data
+    from protofl.engine.flower.client_app import make_client_app
+    from protofl.engine.flower.server_app import ServerOutcome, make_server_app
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; choose one of {', '.join(BACKENDS)}")
+    home = Path(home) if home is not None else protofl_home()
+    threads = torch.get_num_threads()
+    try:
+        # build (and disk-cache) the data once here: it tells how many SuperNodes to start
+        num_clients = len(build_federated_data(config, home).clients)
+        outcome = ServerOutcome()
+        client_app = make_client_app(config, home)
+        if backend == "inline":
+            from protofl.engine.flower.inline import InlineGrid
+            from protofl.engine.flower.server_app import run_flower_server
+
+            grid = InlineGrid(
+                client_app,
+                num_clients,
+                silent=[1000 + p for p in silent_nodes],
+            )
+            run_flower_server(
+                grid,
+                config,
+                out=out,
+                min_nodes=num_clients,
+                round_timeout=round_timeout,
+                wait_timeout=60.0,
+                outcome=outcome,
+            )
+        else:
+            if silent_nodes:
+                raise ValueError("silent_nodes is only supported by the inline backend")
+            from flwr.simulation import run_simulation
+
+            server_app = make_server_app(
+                config, out=out, min_nodes=num_clients, round_timeout=round_timeout, outcome=outcome
+            )
+            run_simulation(
+                server_app=server_app,
+                client_app=client_app,
+                num_supernodes=num_clients,
+                backend_config={
+                    "client_resources": {"num_cpus": num_cpus, "num_gpus": 0.0},
+                    "init_args": (
+                        {"address": ray_address}
+                        if ray_address
+                        else {"num_cpus": max(os.cpu_count() or 1, 1)}
+                    ),
+                },
+            )
+        if not outcome.summary:
+            raise RuntimeError("the Flower ServerApp did not complete (see the log above)")
+        return FlowerRunResult(outcome.run_dir, outcome.summary, outcome.history)
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ----- CLI glue (the lead wires these into protofl.cli) ---------------------------------------
+def add_flower_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--engine`` and the Flower options, for ``protofl run``."""
+    group = parser.add_argument_group("Flower engine (needs `pip install protofl[flower]`)")
+    group.add_argument(
+        "--engine",
+        choices=("sim", "flower"),
+        default="sim",
+        help="sim: the in-process simulator (default); flower: Flower's simulation engine",
+    )
+    group.add_argument(
+        "--flower-backend",
+        choices=BACKENDS,
+        default="ray",
+        help="ray: Flower's Simulation Runtime; inline: the same apps in-process, no Ray",
+    )
+    group.add_argument(
+        "--flower-num-cpus", type=float, default=1.0, help="CPUs per ClientApp (Ray backend)"
+    )
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        help="join a running Ray cluster (e.g. auto, or HEAD:6379) instead of a private one",
+    )
+    group.add_argument(
+        "--round-timeout",
+        type=float,
+        default=600.0,
+        help="seconds each phase of a round waits for replies before it goes on without them",
+    )
+
+
+def run_with_flower(args: argparse.Namespace) -> int:
+    """``protofl run --engine flower``: the same config through Flower; prints the summary."""
+    from protofl.report.console import print_summary
+
+    if getattr(args, "resume", None):
+        raise ValueError("--resume is not supported with --engine flower")
+    config = ExperimentConfig.from_yaml(args.config) if args.config else ExperimentConfig()
+    config = config.with_overrides(args.set or [])
+    result = run_flower_simulation(
+        config,
+        out=args.out if args.out is not None else config.run.out_dir,
+        backend=args.flower_backend,
+        num_cpus=args.flower_num_cpus,
+        round_timeout=args.round_timeout,
+        ray_address=args.ray_address,
+    )
+    if args.json:
+        print(json.dumps({"run_dir": str(result.run_dir), **result.summary}, indent=2))
+    else:
+        print_summary(result.summary, str(result.run_dir))
+    return 0
+
+
+def add_flower_app_parser(sub: Any) -> argparse.ArgumentParser:
+    """``protofl flower-app OUT_DIR [CONFIG] [--set K=V]``: write a Flower App for ``flwr run``."""
+    p = sub.add_parser(
+        "flower-app", help="write a Flower App (pyproject.toml + apps) for `flwr run`"
+    )
+    p.add_argument("out_dir", help="folder to create (must not exist or be empty)")
+    p.add_argument("config", nargs="?", help="experiment YAML (default: the embedded default)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--runs", help="where the ServerApp writes its run folder (default: none)")
+    p.add_argument("--round-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--num-supernodes",
+        type=int,
+        default=None,
+        help="simulated SuperNodes for `flwr run . local` (default: the config's client count)",
+    )
+    p.set_defaults(func=run_flower_app_command)
+    return p
+
+
+def run_flower_app_command(args: argparse.Namespace) -> int:
+    """Handler of ``protofl flower-app``."""
+    from protofl.engine.flower.app import write_flower_app
+
+    config = ExperimentConfig.from_yaml(args.config) if args.config else ExperimentConfig()
+    config = config.with_overrides(args.set or [])
+    path = write_flower_app(
+        args.out_dir,
+        config,
+        out_dir=args.runs,
+        round_timeout=args.round_timeout,
+        num_supernodes=args.num_supernodes,
+    )
+    print(f"wrote the Flower App to {path}; run it with: flwr run {path} local --stream")
+    return 0

@@ -1,0 +1,156 @@
+"""The Flower ``ServerApp``: runs :class:`ProtoStrategy` and writes a protofl run folder."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from protofl.config import ExperimentConfig
+from protofl.engine.flower.client_app import config_from_run_config
+from protofl.engine.flower.strategy import ProtoStrategy
+from protofl.engine.simulation import RoundMetrics, summarise
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ROUND_TIMEOUT = 600.0
+DEFAULT_WAIT_TIMEOUT = 300.0
+
+
+@dataclass
+class ServerOutcome:
+    """What one ServerApp run produced (filled in by the app, read by the caller)."""
+
+    summary: dict[str, Any] = field(default_factory=dict)
+    history: list[RoundMetrics] = field(default_factory=list)
+    run_dir: Path | None = None
+    strategy: ProtoStrategy | None = None
+
+
+def build_summary(config: ExperimentConfig, strategy: ProtoStrategy) -> dict[str, Any]:
+    """The run summary, in the in-process runner's layout (``summary.json``)."""
+    from protofl.engine.runner import environment
+
+    if not strategy.history:
+        raise RuntimeError("no round completed")
+    nodes = sorted(strategy.nodes.values(), key=lambda n: n.partition)
+    summary = summarise(strategy.history)
+    summary.update(
+        {
+            "name": config.name,
+            "method": config.method.name,
+            "dataset": config.data.name,
+            "domains": sorted({n.domain_name for n in nodes}),
+            "clients": [n.name for n in nodes],
+            "num_train": {n.name: n.num_samples for n in nodes},
+            "privacy": {
+                **strategy.mechanism.describe(),
+                **strategy.privacy_status(),
+                "dcr": config.privacy.use_dcr,
+            },
+            "engine": "flower",
+            "rejected_total": sum(len(h.rejected) for h in strategy.history),
+            "units": "accuracies are fractions in [0, 1]; tables show percentages",
+            "environment": environment(),
+        }
+    )
+    try:
+        import flwr
+
+        summary["environment"]["flwr"] = flwr.__version__
+    except Exception:  # pragma: no cover
+        pass
+    return summary
+
+
+def make_server_app(
+    config: ExperimentConfig | None = None,
+    *,
+    out: str | Path | None = None,
+    min_nodes: int | None = None,
+    round_timeout: float | None = None,
+    wait_timeout: float | None = None,
+    outcome: ServerOutcome | None = None,
+    on_round: Callable[[RoundMetrics], None] | None = None,
+) -> ServerApp:
+    """A ServerApp running ``ProtoStrategy``.
+
+    Values not given here come from the run config: ``protofl-config``/``protofl-set`` (the
+    experiment), ``round-timeout``, ``wait-timeout``, ``min-nodes`` (0: as many as the clients
+    report) and ``out-dir`` (a run folder is written there; empty: none).
+    """
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        rc = context.run_config
+        cfg = config if config is not None else config_from_run_config(rc)
+        timeout = round_timeout if round_timeout is not None else rc.get("round-timeout")
+        wait = wait_timeout if wait_timeout is not None else rc.get("wait-timeout")
+        nodes = min_nodes if min_nodes is not None else int(rc.get("min-nodes", 0)) or None  # type: ignore[call-overload]
+        out_dir = out if out is not None else (str(rc.get("out-dir", "")) or None)
+        run_flower_server(
+            grid,
+            cfg,
+            out=out_dir,
+            min_nodes=nodes,
+            round_timeout=float(timeout) if timeout is not None else DEFAULT_ROUND_TIMEOUT,  # type: ignore[arg-type]
+            wait_timeout=float(wait) if wait is not None else DEFAULT_WAIT_TIMEOUT,  # type: ignore[arg-type]
+            outcome=outcome,
+            on_round=on_round,
+        )
+
+    return app
+
+
+def run_flower_server(
+    grid: Grid,
+    config: ExperimentConfig,
+    *,
+    out: str | Path | None,
+    min_nodes: int | None,
+    round_timeout: float,
+    wait_timeout: float,
+    outcome: ServerOutcome | None = None,
+    on_round: Callable[[RoundMetrics], None] | None = None,
+) -> ServerOutcome:
+    """Run the strategy on ``grid``; write ``config.yaml``, ``metrics.jsonl`` and
+    ``summary.json`` into a new run folder under ``out`` (when given)."""
+    from protofl.engine.runner import make_run_dir
+
+    outcome = outcome if outcome is not None else ServerOutcome()
+    run_dir = make_run_dir(config, out) if out is not None else None
+    if run_dir is not None:
+        (run_dir / "config.yaml").write_text(config.to_yaml())
+        (run_dir / "metrics.jsonl").write_text("")
+    outcome.run_dir = run_dir
+
+    def record(m: RoundMetrics) -> None:
+        outcome.history.append(m)
+        if run_dir is not None:
+            with open(run_dir / "metrics.jsonl", "a") as fh:
+                fh.write(json.dumps(m.to_json()) + "\n")
+        if on_round is not None:
+            on_round(m)
+
+    strategy = ProtoStrategy(
+        config,
+        min_nodes=min_nodes,
+        round_timeout=round_timeout,
+        wait_timeout=wait_timeout,
+        on_round=record,
+    )
+    outcome.strategy = strategy
+    strategy.start(grid=grid)
+    outcome.summary = build_summary(config, strategy)
+    if run_dir is not None:
+        outcome.summary["run_dir"] = str(run_dir)
+        (run_dir / "summary.json").write_text(json.dumps(outcome.summary, indent=2) + "\n")
+    log.info("flower run finished: avg %.4f", outcome.summary["avg_acc"])
+    return outcome

@@ -1,0 +1,624 @@
+"""``ProtoStrategy``: one Flower strategy for every protofl method.
+
+Flower's built-in strategies move one ArrayRecord of model weights; prototype methods move
+per-client sets of (class, prototype, count) plus privacy facts, and some keep server-side
+state (FedTGP's generator, MPFT's server head).  This strategy is parameterised by a protofl
+:class:`~protofl.methods.base.Method` and reuses its server aggregator as it is.
+
+One round, as in the in-process simulator (``Simulation.run_round``):
+
+1. **release** (``train.release``) to the sampled clients: each applies the privacy mechanism
+   locally and replies with its noisy release;
+2. every reply is decoded and checked with
+   :func:`~protofl.methods.validation.validate_upload`; error replies and malformed records are
+   logged with node, partition, round and reason, and left out;
+3. ``method.aggregate`` on the accepted uploads (in partition order) gives the global state;
+4. **train** (``train``) with that state; methods that share weights reply their weights and
+   the strategy averages them exactly as ``Simulation.average_weights``;
+5. **evaluate** (``evaluate``) on every known client, with the averaged weights if any;
+6. a :class:`~protofl.engine.simulation.RoundMetrics` with accuracies, privacy spent and the
+   rejected replies.
+
+Before round 1 a ``query.hello`` registers every node's partition id, domain and sample count
+(the server only sees random node ids).  Sampling uses the simulator's own seeded procedure on
+partition ids (Flower's ``sample_nodes`` draws from the unseeded global ``random``), so the same
+seed picks the same clients on both engines.  Every phase waits at most ``round_timeout``
+seconds: a node that vanished only costs that wait, and the round completes with the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from protofl.config import ExperimentConfig
+from protofl.engine.flower.codec import (
+    CodecError,
+    claimed_partition,
+    claimed_release_facts,
+    decode_upload,
+    encode_global_state,
+    tensors_to_record,
+)
+from protofl.engine.simulation import RoundMetrics, Simulation, derive_seed
+from protofl.methods import create_method
+from protofl.methods.base import GlobalState, Method, Upload
+from protofl.methods.validation import validate_upload
+from protofl.privacy import create_mechanism
+from protofl.privacy.base import Mechanism
+from protofl.privacy.ledger import PrivacyLedger
+
+log = logging.getLogger(__name__)
+
+RELEASE = f"{MessageType.TRAIN}.release"
+HELLO = f"{MessageType.QUERY}.hello"
+
+
+@dataclass
+class NodeInfo:
+    """What the server knows about one registered node (from its ``hello`` reply)."""
+
+    node_id: int
+    partition: int
+    name: str
+    domain: int
+    domain_name: str
+    num_samples: int
+    has_holdout: bool = False
+
+
+@dataclass
+class RoundLog:
+    """Faults of one round: error replies, rejected records, nodes that did not answer."""
+
+    rejected: list[dict[str, str]] = field(default_factory=list)
+
+    def add(self, phase: str, node: NodeInfo | None, node_id: int, reason: str) -> None:
+        name = node.name if node is not None else f"node-{node_id}"
+        self.rejected.append(
+            {"client": name, "node": str(node_id), "phase": phase, "reason": reason}
+        )
+
+
+class ProtoStrategy(Strategy):
+    """Generic prototype-FL strategy driven by a protofl method's server aggregator.
+
+    ``config`` is the experiment config (method, privacy, federation, seed).  ``min_nodes``:
+    how many nodes to wait for before round 1 (None: as many as the clients report there are).
+    ``round_timeout``: seconds each phase waits for replies.  ``wait_timeout``: seconds to wait
+    for nodes to connect before giving up.  ``on_round`` is called with every round's metrics.
+    """
+
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        *,
+        min_nodes: int | None = None,
+        round_timeout: float = 600.0,
+        wait_timeout: float = 300.0,
+        on_round: Callable[[RoundMetrics], None] | None = None,
+        poll_interval: float = 0.5,
+    ) -> None:
+        self.config = config
+        self.min_nodes = min_nodes
+        self.round_timeout = float(round_timeout)
+        self.wait_timeout = float(wait_timeout)
+        self.on_round = on_round
+        self.poll_interval = poll_interval
+        fed = config.federation
+        self.mechanism: Mechanism = create_mechanism(
+            config.privacy, rounds=fed.rounds, dim=config.backbone.proto_dim
+        )
+        self.method: Method | None = None
+        self.nodes: dict[int, NodeInfo] = {}  # node id -> info
+        self.ledgers: dict[int, PrivacyLedger] = {}  # partition -> what left that client
+        self.global_state: GlobalState = {}
+        self.avg_weights: dict[str, torch.Tensor] | None = None
+        self.history: list[RoundMetrics] = []
+        self.num_clients = 0
+        self.num_classes = 0
+        self.server_gen = torch.Generator().manual_seed(derive_seed(config.seed, 4))
+        self._partition_overlap: list[float] = []
+        self._log = RoundLog()
+        self._failed: set[int] = set()
+        self._round_nodes: list[NodeInfo] = []
+        self._trained: list[int] = []
+        self._losses: list[float] = []
+        self._client_acc: dict[int, float] = {}
+        self._holdout: dict[int, float] = {}
+
+    # ----- Strategy interface ------------------------------------------------------------------
+    def summary(self) -> None:
+        """Log the configuration."""
+        fed = self.config.federation
+        log.info(
+            "ProtoStrategy: method=%s mechanism=%s rounds=%d participation=%s dropout=%s "
+            "round_timeout=%.0fs",
+            self.config.method.name,
+            self.config.privacy.mechanism,
+            fed.rounds,
+            fed.participation,
+            fed.dropout,
+            self.round_timeout,
+        )
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Training messages carrying the round's global state to the round's participants."""
+        content = RecordDict(
+            {"global": encode_global_state(self.global_state), "config": self._config(server_round)}
+        )
+        return self._messages(self._round_nodes, content, MessageType.TRAIN, server_round)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Mean training loss; for weight-sharing methods, the sample-weighted weight average."""
+        losses: list[tuple[int, float]] = []
+        members: list[tuple[int, Upload]] = []
+        for node, msg in self._good_replies(replies, "train", server_round):
+            try:
+                up = decode_upload(msg.content, client=node.partition)
+                loss = float(msg.content["metrics"]["train-loss"])  # type: ignore[index, arg-type]
+            except (CodecError, KeyError, TypeError, ValueError) as exc:
+                self._reject("train", node, msg, str(exc))
+                continue
+            reason = validate_upload(
+                up,
+                declared_domain=node.domain,
+                num_classes=self.num_classes,
+                dim=self.config.backbone.proto_dim,
+            )
+            shares = self.method is not None and self.method.shares_weights
+            if reason is None and shares and up.weights is None:
+                reason = "the method shares weights but the reply has none"
+            if reason is not None:
+                self._reject("train", node, msg, reason)
+                continue
+            losses.append((node.partition, loss))
+            members.append((node.partition, up))
+        losses.sort()
+        self._trained = [p for p, _ in losses]
+        self._losses = [v for _, v in losses]
+        self.avg_weights = None
+        if self.method is not None and self.method.shares_weights and members:
+            self.avg_weights = self._average_weights(sorted(members, key=lambda m: m[0]))
+            self.global_state["__weights_round"] = torch.tensor(server_round - 1)
+        loss = float(np.mean(self._losses)) if self._losses else math.nan
+        metrics = MetricRecord({"num-trained": len(losses)})
+        if math.isfinite(loss):
+            metrics["train-loss"] = loss
+        arrays = None if self.avg_weights is None else tensors_to_record(self.avg_weights)
+        return arrays, metrics
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Evaluation messages to every known node (with the averaged weights, if any)."""
+        content = RecordDict(
+            {"global": encode_global_state(self.global_state), "config": self._config(server_round)}
+        )
+        if self.avg_weights is not None:
+            content["weights"] = tensors_to_record(self.avg_weights)
+        live = set(grid.get_node_ids())
+        nodes = [n for n in self._sorted_nodes() if n.node_id in live]
+        return self._messages(nodes, content, MessageType.EVALUATE, server_round)
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Per-client accuracies (kept for the round's metrics); returns their mean."""
+        self._client_acc = {}
+        self._holdout = {}
+        for node, msg in self._good_replies(replies, "evaluate", server_round):
+            try:
+                metrics = msg.content["metrics"]
+                acc = float(metrics["accuracy"])  # type: ignore[index, arg-type]
+                if not 0.0 <= acc <= 1.0:
+                    raise ValueError(f"accuracy {acc!r} is outside [0, 1]")
+                if "holdout-accuracy" in metrics:  # type: ignore[operator]
+                    self._holdout[node.partition] = float(metrics["holdout-accuracy"])  # type: ignore[index, arg-type]
+            except (KeyError, TypeError, ValueError) as exc:
+                self._reject("evaluate", node, msg, f"malformed metrics: {exc}")
+                continue
+            self._client_acc[node.partition] = acc
+        if not self._client_acc:
+            return None
+        return MetricRecord({"accuracy": float(np.mean(list(self._client_acc.values())))})
+
+    # ----- the release phase (prototype upload) ----------------------------------------------
+    def configure_release(self, server_round: int, grid: Grid) -> list[Message]:
+        """Release requests to this round's participants."""
+        content = RecordDict({"config": self._config(server_round)})
+        return self._messages(self._round_nodes, content, RELEASE, server_round)
+
+    def aggregate_release(self, server_round: int, replies: Iterable[Message]) -> GlobalState:
+        """Decode, charge, validate, aggregate: the new global state."""
+        assert self.method is not None
+        accepted: list[Upload] = []
+        overlaps: list[float] = []
+        for node, msg in self._good_replies(replies, "release", server_round):
+            claimed = claimed_partition(msg.content)
+            if claimed is not None and claimed != node.partition:
+                self._reject(
+                    "release",
+                    node,
+                    msg,
+                    f"claims partition {claimed}, registered as {node.partition}",
+                )
+                continue
+            # a release that left the client is charged, whether or not it is accepted
+            facts = claimed_release_facts(msg.content)
+            if facts is not None:
+                charge = SimpleNamespace(mechanism=facts[0], events=facts[1])
+                try:
+                    self.ledgers[node.partition].record(server_round - 1, charge)  # type: ignore[arg-type]
+                except (ValueError, KeyError, TypeError) as exc:
+                    self._reject("release", node, msg, f"unreadable privacy events: {exc}")
+                    continue
+            try:
+                up = decode_upload(msg.content, client=node.partition)
+            except CodecError as exc:
+                self._reject("release", node, msg, f"malformed record: {exc}")
+                continue
+            reason = validate_upload(
+                up,
+                declared_domain=node.domain,
+                num_classes=self.num_classes,
+                dim=self.config.backbone.proto_dim,
+                norm_bound=self.mechanism.norm_bound,
+            )
+            if reason is not None:
+                self._reject("release", node, msg, reason)
+                continue
+            if up.release is not None and "partition_overlap" in up.release.info:
+                overlaps.append(up.release.info["partition_overlap"])
+            accepted.append(up)
+        accepted.sort(key=lambda u: u.client)  # the simulator's order: aggregation is bitwise equal
+        self._partition_overlap = overlaps
+        return self.method.aggregate(accepted, server_round - 1)
+
+    # ----- driving loop ------------------------------------------------------------------------
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord | None = None,
+        num_rounds: int | None = None,
+        timeout: float | None = None,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Register the nodes, then run ``num_rounds`` (default: ``federation.rounds``) rounds
+        of release -> aggregate -> train -> evaluate; returns Flower's ``Result``."""
+        if timeout is not None:
+            self.round_timeout = float(timeout)
+        rounds = self.config.federation.rounds if num_rounds is None else int(num_rounds)
+        self.summary()
+        result = Result()
+        self.register(grid)
+        train_config = train_config if train_config is not None else ConfigRecord()
+        evaluate_config = evaluate_config if evaluate_config is not None else ConfigRecord()
+        for rnd in range(len(self.history) + 1, len(self.history) + rounds + 1):
+            t0 = time.perf_counter()
+            self._log = RoundLog()
+            self._failed = set()
+            self._register_new(grid, rnd)
+            self._round_nodes = self.select(grid)
+            replies = self._send(grid, self.configure_release(rnd, grid), "release", rnd)
+            self.global_state = self.aggregate_release(rnd, replies)
+            # a node that failed or vanished while releasing sits out the rest of the round
+            self._round_nodes = [n for n in self._round_nodes if n.node_id not in self._failed]
+            msgs = self.configure_train(rnd, ArrayRecord(), train_config, grid)
+            arrays, train_metrics = self.aggregate_train(rnd, self._send(grid, msgs, "train", rnd))
+            if arrays is not None:
+                result.arrays = arrays
+            if train_metrics is not None:
+                result.train_metrics_clientapp[rnd] = train_metrics
+            msgs = self.configure_evaluate(rnd, ArrayRecord(), evaluate_config, grid)
+            eval_metrics = self.aggregate_evaluate(rnd, self._send(grid, msgs, "evaluate", rnd))
+            if eval_metrics is not None:
+                result.evaluate_metrics_clientapp[rnd] = eval_metrics
+            metrics = self._round_metrics(rnd, time.perf_counter() - t0)
+            self.history.append(metrics)
+            spent = [e for e in metrics.privacy.get("epsilon_spent", {}).values() if e is not None]
+            if spent:  # privacy per round in Flower's own Result, too
+                record = result.train_metrics_clientapp.setdefault(rnd, MetricRecord())
+                record["epsilon-max"] = float(max(spent))
+                record["rejected"] = len(metrics.rejected)
+            log.info(
+                "round %d: avg %.4f std %.4f loss %.4f, %d rejected",
+                rnd,
+                metrics.avg_acc,
+                metrics.std_acc,
+                metrics.train_loss,
+                len(metrics.rejected),
+            )
+            if evaluate_fn is not None:
+                res = evaluate_fn(rnd, result.arrays)
+                if res is not None:
+                    result.evaluate_metrics_serverapp[rnd] = res
+            if self.on_round is not None:
+                self.on_round(metrics)
+        return result
+
+    # ----- registration and sampling -------------------------------------------------------
+    def register(self, grid: Grid) -> None:
+        """Wait for the nodes and learn each one's partition (``query.hello``)."""
+        deadline = time.monotonic() + self.wait_timeout
+        want = self.min_nodes or 1
+        while True:
+            live = sorted(grid.get_node_ids())
+            new = [n for n in live if n not in self.nodes]
+            if new:
+                self._hello(grid, new, 0)
+            if self.min_nodes is None and self.num_clients:
+                want = self.num_clients
+            if len(self.nodes) >= want:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"only {len(self.nodes)} of {want} nodes registered within "
+                    f"{self.wait_timeout:.0f}s"
+                )
+            log.info("waiting for nodes: %d of %d registered", len(self.nodes), want)
+            time.sleep(self.poll_interval)
+        if self.method is None:
+            raise RuntimeError("no node answered the registration")
+
+    def _register_new(self, grid: Grid, rnd: int) -> None:
+        live = set(grid.get_node_ids())
+        new = sorted(n for n in live if n not in self.nodes)
+        if new:
+            self._hello(grid, new, rnd)
+
+    def _hello(self, grid: Grid, node_ids: Sequence[int], rnd: int) -> None:
+        msgs = [
+            Message(
+                content=RecordDict({"config": self._config(rnd)}),
+                dst_node_id=n,
+                message_type=HELLO,
+            )
+            for n in node_ids
+        ]
+        taken = {info.partition: info for info in self.nodes.values()}
+        for msg in grid.send_and_receive(msgs, timeout=self.round_timeout):
+            node_id = msg.metadata.src_node_id
+            if msg.has_error():
+                log.warning("node %d: registration failed: %s", node_id, msg.error.reason)
+                continue
+            try:
+                h = msg.content["hello"]
+                info = NodeInfo(
+                    node_id=node_id,
+                    partition=int(h["partition-id"]),  # type: ignore[arg-type]
+                    name=str(h["name"]),
+                    domain=int(h["domain"]),  # type: ignore[arg-type]
+                    domain_name=str(h["domain-name"]),
+                    num_samples=int(h["num-samples"]),  # type: ignore[arg-type]
+                    has_holdout=bool(h.get("has-holdout", False)),
+                )
+                num_clients = int(h["num-clients"])  # type: ignore[arg-type]
+                num_classes = int(h["num-classes"])  # type: ignore[arg-type]
+                num_domains = int(h["num-domains"])  # type: ignore[arg-type]
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("node %d: malformed registration (%s); ignored", node_id, exc)
+                continue
+            if info.partition in taken:
+                log.warning(
+                    "node %d claims partition %d, already held by node %d; ignored",
+                    node_id,
+                    info.partition,
+                    taken[info.partition].node_id,
+                )
+                continue
+            if self.method is None:
+                self.num_clients, self.num_classes = num_clients, num_classes
+                self.method = create_method(
+                    self.config.method.name,
+                    self.config.method.params,
+                    num_classes=num_classes,
+                    num_domains=num_domains,
+                    proto_dim=self.config.backbone.proto_dim,
+                )
+            elif (num_clients, num_classes) != (self.num_clients, self.num_classes):
+                log.warning(
+                    "node %d reports %d clients / %d classes, expected %d / %d; ignored",
+                    node_id,
+                    num_clients,
+                    num_classes,
+                    self.num_clients,
+                    self.num_classes,
+                )
+                continue
+            if self.method.needs_domain and info.domain < 0:
+                raise ValueError(
+                    f"method {self.method.name!r} needs every client to report a domain"
+                )
+            self.nodes[node_id] = info
+            taken[info.partition] = info
+            self.ledgers.setdefault(
+                info.partition,
+                PrivacyLedger(
+                    delta=self.config.privacy.delta, accountant=self.config.privacy.accountant
+                ),
+            )
+            log.info(
+                "node %d registered as partition %d (%s, domain %s, %d samples)",
+                node_id,
+                info.partition,
+                info.name,
+                info.domain_name,
+                info.num_samples,
+            )
+
+    def select(self, grid: Grid) -> list[NodeInfo]:
+        """This round's participants: the simulator's seeded sampling over partition ids.
+
+        ``Simulation.select_participants`` itself runs on a stand-in holding the partition list,
+        so both engines draw the same clients for the same seed.  Partitions whose node is gone
+        are dropped (they would only time out).
+        """
+        partitions = max(
+            self.num_clients, max((n.partition for n in self.nodes.values()), default=-1) + 1
+        )
+        shim = SimpleNamespace(
+            config=self.config, clients=[None] * partitions, server_gen=self.server_gen
+        )
+        chosen = Simulation.select_participants(shim)  # type: ignore[arg-type]
+        by_partition = {n.partition: n for n in self.nodes.values()}
+        live = set(grid.get_node_ids())
+        out = []
+        for p, ch in enumerate(chosen):
+            if not ch:
+                continue
+            node = by_partition.get(p)
+            if node is None or node.node_id not in live:
+                self._log.add("select", node, -1 if node is None else node.node_id, "not connected")
+                continue
+            out.append(node)
+        return out
+
+    # ----- helpers ---------------------------------------------------------------------------
+    def _config(self, rnd: int) -> ConfigRecord:
+        return ConfigRecord({"server-round": rnd})
+
+    def _sorted_nodes(self) -> list[NodeInfo]:
+        return sorted(self.nodes.values(), key=lambda n: n.partition)
+
+    def _messages(
+        self, nodes: Sequence[NodeInfo], content: RecordDict, message_type: str, rnd: int
+    ) -> list[Message]:
+        return [
+            Message(
+                content=RecordDict(dict(content)),
+                dst_node_id=n.node_id,
+                message_type=message_type,
+                group_id=str(rnd),
+            )
+            for n in nodes
+        ]
+
+    def _send(
+        self, grid: Grid, msgs: list[Message] | Iterable[Message], phase: str, rnd: int
+    ) -> list[Message]:
+        msgs = list(msgs)
+        if not msgs:
+            return []
+        sent = {m.metadata.dst_node_id for m in msgs}
+        replies = list(grid.send_and_receive(msgs, timeout=self.round_timeout))
+        answered = {m.metadata.src_node_id for m in replies}
+        for node_id in sorted(sent - answered):
+            node = self.nodes.get(node_id)
+            reason = f"no reply within {self.round_timeout:g}s (node gone or too slow)"
+            log.warning(
+                "round %d, %s: node %d (%s) timed out",
+                rnd,
+                phase,
+                node_id,
+                node.name if node else "?",
+            )
+            self._log.add(phase, node, node_id, reason)
+            self._failed.add(node_id)
+        return replies
+
+    def _good_replies(
+        self, replies: Iterable[Message], phase: str, rnd: int
+    ) -> list[tuple[NodeInfo, Message]]:
+        out = []
+        for msg in replies:
+            node_id = msg.metadata.src_node_id
+            node = self.nodes.get(node_id)
+            if node is None:
+                log.warning("round %d, %s: reply from unknown node %d ignored", rnd, phase, node_id)
+                continue
+            if msg.has_error():
+                reason = f"error reply (code {msg.error.code}): {msg.error.reason}"
+                log.warning(
+                    "round %d, %s: node %d (partition %d, %s) failed: %s",
+                    rnd,
+                    phase,
+                    node_id,
+                    node.partition,
+                    node.name,
+                    reason,
+                )
+                self._log.add(phase, node, node_id, reason)
+                self._failed.add(node_id)
+                continue
+            out.append((node, msg))
+        return out
+
+    def _reject(self, phase: str, node: NodeInfo, msg: Message, reason: str) -> None:
+        log.warning(
+            "round %s, %s: rejected reply of node %d (partition %d, %s): %s",
+            msg.metadata.group_id or "?",
+            phase,
+            node.node_id,
+            node.partition,
+            node.name,
+            reason,
+        )
+        self._log.add(phase, node, node.node_id, reason)
+
+    def _average_weights(self, members: Sequence[tuple[int, Upload]]) -> dict[str, torch.Tensor]:
+        """``Simulation.average_weights``: sample-weighted mean in partition order."""
+        ups = [u for _, u in members]
+        keys = set(ups[0].weights or {})
+        ok = [u for u in ups if set(u.weights or {}) == keys]
+        weights = torch.tensor([u.num_samples for u in ok], dtype=torch.float64)
+        weights = weights / weights.sum()
+        states = [u.weights or {} for u in ok]
+        first = states[0]
+        return {
+            k: sum(float(w) * s[k].double() for w, s in zip(weights, states)).to(first[k].dtype)  # type: ignore[union-attr]
+            for k in first
+        }
+
+    def _round_metrics(self, rnd: int, wall_s: float) -> RoundMetrics:
+        by_partition = {n.partition: n for n in self.nodes.values()}
+        client_acc = {by_partition[p].name: a for p, a in sorted(self._client_acc.items())}
+        per_domain: dict[str, list[float]] = {}
+        for p, a in sorted(self._client_acc.items()):
+            per_domain.setdefault(by_partition[p].domain_name, []).append(a)
+        acc = {d: float(np.mean(v)) for d, v in per_domain.items()}
+        values = list(acc.values())
+        holdout = (
+            float(np.mean([a for _, a in sorted(self._holdout.items())])) if self._holdout else None
+        )
+        return RoundMetrics(
+            round=rnd,
+            acc=acc,
+            client_acc=client_acc,
+            avg_acc=float(np.mean(values)) if values else math.nan,
+            std_acc=float(np.std(values)) if values else math.nan,
+            train_loss=float(np.mean(self._losses)) if self._losses else math.nan,
+            wall_s=wall_s,
+            privacy=self.privacy_status(),
+            holdout_acc=holdout,
+            participants=[by_partition[p].name for p in self._trained],
+            rejected=list(self._log.rejected),
+        )
+
+    def privacy_status(self) -> dict[str, Any]:
+        """Epsilon charged per client for what left it (the simulator's ``privacy_status``)."""
+        if self.method is not None and not self.method.uses_prototypes:
+            return {"mechanism": "n/a (no prototype release)"}
+        names = {n.partition: n.name for n in self.nodes.values()}
+        eps = {names[p]: self.ledgers[p].epsilon_spent() for p in sorted(self.ledgers)}
+        status: dict[str, Any] = {"epsilon_spent": eps}
+        if self._partition_overlap:
+            status["partition_overlap"] = float(np.mean(self._partition_overlap))
+        return status

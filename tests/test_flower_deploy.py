@@ -1,0 +1,78 @@
+"""A real Flower deployment on loopback: SuperLink + 2 SuperNodes + ``flwr run``.
+
+Marked ``flower_deploy`` (skip locally with ``-m "not flower_deploy"``; CI runs it).  Every
+started process is stopped by its id (process group) whether the run passed or failed, and the
+test checks that none is left.  One SuperNode is stopped after round 1: the server must time
+the round out and finish the run with the other node.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr")
+
+from protofl.engine.flower.app import write_flower_app
+from protofl.engine.flower.deploy import LoopbackDeployment, group_alive
+from protofl.methods.checks import tiny_config
+
+pytestmark = [
+    pytest.mark.flower_deploy,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
+    pytest.mark.skipif(
+        shutil.which("flower-superlink", path=str(Path(sys.executable).parent)) is None,
+        reason="flower-superlink is not installed next to this Python",
+    ),
+]
+
+ROUND_TIMEOUT = 20.0
+
+
+def _wait_for_round(metrics: Path, rnd: int, proc_alive: object, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = list(metrics.parent.glob("*/metrics.jsonl")) if metrics.parent.exists() else []
+        if files and len(files[0].read_text().splitlines()) >= rnd:
+            return
+        if not proc_alive():  # type: ignore[operator]
+            raise AssertionError("flwr run ended before the round completed")
+        time.sleep(0.5)
+    raise AssertionError(f"round {rnd} did not complete within {timeout:.0f}s")
+
+
+def test_loopback_deployment_runs_and_leaves_no_process(tmp_path: Path) -> None:
+    t0 = time.perf_counter()
+    config = tiny_config("fedproto", "vpdr", rounds=2)
+    runs = tmp_path / "runs"
+    app = write_flower_app(
+        tmp_path / "app", config, out_dir=runs, round_timeout=ROUND_TIMEOUT, num_supernodes=2
+    )
+    dep = LoopbackDeployment(tmp_path / "deploy", 2)
+    try:
+        with dep:
+            proc = dep.start_run(app)
+            _wait_for_round(runs / "x", 1, lambda: proc.poll() is None, timeout=600)
+            dep.stop_node(1)  # a SuperNode disappears mid-run
+            code = proc.wait(timeout=600)
+            assert code == 0, dep.logs()
+    finally:
+        pids = [p.pid for p in dep.procs]
+        left = [pid for p in dep.procs for pid in group_alive(p.pid)]
+    assert len(pids) == 4  # superlink, 2 supernodes, flwr run
+    assert left == [], f"processes left behind: {left}"
+    (summary_file,) = runs.glob("*/summary.json")
+    summary = json.loads(summary_file.read_text())
+    assert summary["rounds"] == 2 and summary["engine"] == "flower"
+    assert sorted(summary["clients"]) == ["blue", "red"]
+    history = [json.loads(s) for s in next(runs.glob("*/metrics.jsonl")).read_text().splitlines()]
+    assert history[0]["rejected"] == [] and sorted(history[0]["participants"]) == ["blue", "red"]
+    assert history[1]["participants"] == ["red"]  # blue's node is gone
+    assert history[1]["rejected"], "the vanished node must be reported"
+    assert 0.0 <= summary["avg_acc"] <= 1.0
+    print(f"loopback deployment test: {time.perf_counter() - t0:.1f}s")

@@ -1,0 +1,379 @@
+"""Flower engine: parity with the in-process simulator, faults, the app, import hygiene."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("flwr")
+
+from flwr.app import Array, Context, Message
+
+from protofl.engine.federated_data import build_federated_data
+from protofl.engine.flower.client_app import (
+    STATE_KEY,
+    config_from_run_config,
+    make_client_app,
+)
+from protofl.engine.flower.codec import unpack_state
+from protofl.engine.flower.inline import InlineGrid
+from protofl.engine.flower.run import run_flower_simulation
+from protofl.engine.flower.server_app import ServerOutcome, run_flower_server
+from protofl.engine.simulation import RoundMetrics, Simulation
+from protofl.methods.checks import tiny_config
+
+# diagnostics the Flower engine does not report: wall time, and feature-norm quantiles (a local
+# diagnostic outside the DP guarantee, which must not leave the client)
+NOT_COMPARED = ("wall_s", "feature_norms")
+
+
+def comparable(history: list[RoundMetrics]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in m.to_json().items() if k not in NOT_COMPARED} for m in history]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[RoundMetrics]:
+    """fedproto + vpdr on the tiny toy config, in-process."""
+    config = tiny_config("fedproto", "vpdr")
+    data = build_federated_data(config, tmp_path_factory.mktemp("home"))
+    return Simulation(config, data).run()
+
+
+def test_inline_flower_run_equals_the_simulator(
+    reference: list[RoundMetrics], tmp_path: Path
+) -> None:
+    config = tiny_config("fedproto", "vpdr")
+    result = run_flower_simulation(config, home=tmp_path, backend="inline", out=tmp_path / "runs")
+    assert comparable(result.history) == comparable(reference)  # bitwise: same code, same order
+    assert result.run_dir is not None
+    lines = (result.run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(s)["round"] for s in lines] == [1, 2, 3]
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert summary["engine"] == "flower" and summary["clients"] == ["red", "blue"]
+    assert summary["privacy"]["epsilon_spent"] == reference[-1].privacy["epsilon_spent"]
+
+
+@pytest.mark.slow
+def test_ray_flower_simulation_equals_the_simulator(
+    reference: list[RoundMetrics], tmp_path: Path
+) -> None:
+    """Flower's Simulation Runtime (Ray): same per-round metrics as the in-process simulator."""
+    pytest.importorskip("ray")
+    config = tiny_config("fedproto", "vpdr")
+    t0 = time.perf_counter()
+    result = run_flower_simulation(config, home=tmp_path, backend="ray")
+    wall = time.perf_counter() - t0
+    assert comparable(result.history) == comparable(reference)
+    print(f"ray flower run: {wall:.1f}s")
+
+
+# ----- faults ---------------------------------------------------------------------------------
+def _round(msg: Message) -> int:
+    return int(msg.content["config"]["server-round"])  # type: ignore[arg-type]
+
+
+def _run_inline(
+    tmp_path: Path,
+    wrap: Any,
+    *,
+    rounds: int = 3,
+    round_timeout: float = 30.0,
+    on_grid: Any = None,
+    method: str = "fedproto",
+) -> tuple[ServerOutcome, InlineGrid]:
+    config = tiny_config(method, "vpdr", rounds=rounds)
+    app = make_client_app(config, tmp_path)
+
+    def client(msg: Message, ctx: Context) -> Message:
+        return wrap(app, msg, ctx)
+
+    grid = InlineGrid(client, 2)
+    outcome = ServerOutcome()
+
+    def on_round(m: RoundMetrics) -> None:
+        if on_grid is not None:
+            on_grid(grid, m)
+
+    run_flower_server(
+        grid,
+        config,
+        out=None,
+        min_nodes=2,
+        round_timeout=round_timeout,
+        wait_timeout=10.0,
+        outcome=outcome,
+        on_round=on_round,
+    )
+    return outcome, grid
+
+
+def _client_ledger_rounds(grid: InlineGrid, node: int) -> list[int]:
+    state = unpack_state(grid.contexts[node].state[STATE_KEY])  # type: ignore[arg-type]
+    return [e["round"] for e in state["ledger"]["entries"]]
+
+
+def test_client_that_raises_is_reported_and_only_released_prototypes_are_charged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def wrap(app: Any, msg: Message, ctx: Context) -> Message:
+        pid = ctx.node_config["partition-id"]
+        kind = msg.metadata.message_type
+        if pid == 1 and _round(msg) == 2 and kind == "train.release":
+            raise RuntimeError("disk on fire")  # before anything left the client
+        if pid == 0 and _round(msg) == 3 and kind == "train":
+            raise RuntimeError("out of memory")  # its release of round 3 has already left
+        return app(msg, ctx)
+
+    with caplog.at_level(logging.WARNING, logger="protofl.engine.flower"):
+        outcome, grid = _run_inline(tmp_path, wrap)
+    strategy = outcome.strategy
+    assert strategy is not None
+    h = outcome.history
+    assert [m.round for m in h] == [1, 2, 3]  # every round completes
+    assert h[0].rejected == []
+    (r2,) = h[1].rejected
+    assert r2["client"] == "blue" and r2["phase"] == "release" and r2["node"] == "1001"
+    assert "disk on fire" in r2["reason"]
+    assert h[1].participants == ["red"]  # blue released nothing and did not train
+    (r3,) = h[2].rejected
+    assert r3["client"] == "red" and r3["phase"] == "train" and "out of memory" in r3["reason"]
+    assert h[2].participants == ["blue"]
+    assert "round 2, release: node 1001 (partition 1, blue) failed" in caplog.text
+    # the server charges exactly the releases it received; the clients' own ledgers agree
+    assert [e["round"] for e in strategy.ledgers[1].entries] == [0, 2]
+    assert [e["round"] for e in strategy.ledgers[0].entries] == [0, 1, 2]
+    assert _client_ledger_rounds(grid, 1001) == [0, 2]
+    eps = h[-1].privacy["epsilon_spent"]
+    assert eps["blue"] < eps["red"]
+
+
+def test_malformed_reply_is_rejected_and_never_aggregated(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from protofl.methods.fedproto import FedProto
+
+    seen: list[list[int]] = []
+    original = FedProto.aggregate
+
+    def spy(self: FedProto, uploads: Any, round_index: int) -> Any:
+        seen.append([u.client for u in uploads])
+        return original(self, uploads, round_index)
+
+    monkeypatch.setattr(FedProto, "aggregate", spy)
+
+    def wrap(app: Any, msg: Message, ctx: Context) -> Message:
+        reply = app(msg, ctx)
+        if ctx.node_config["partition-id"] == 1 and msg.metadata.message_type == "train.release":
+            rnd = _round(msg)
+            release = reply.content["release"]
+            if rnd == 1:  # a wrong key set
+                release.pop("counts")
+            elif rnd == 2:  # non-finite values
+                bad = release["prototypes"].numpy().copy()
+                bad[0, 0] = float("nan")
+                release["prototypes"] = Array(bad)
+            else:  # a wrong shape
+                release["prototypes"] = Array(release["prototypes"].numpy()[:, :5].copy())
+        return reply
+
+    with caplog.at_level(logging.WARNING, logger="protofl.engine.flower"):
+        outcome, _ = _run_inline(tmp_path, wrap)
+    assert seen == [[0], [0], [0]]  # partition 1 never reached aggregation
+    reasons = [m.rejected[0]["reason"] for m in outcome.history]
+    assert all(len(m.rejected) == 1 for m in outcome.history)
+    assert "keys" in reasons[0]
+    assert "NaN" in reasons[1]
+    assert "shape" in reasons[2]
+    assert caplog.text.count("rejected reply of node 1001") == 3
+    # a malformed release still left the client: it is charged
+    assert [e["round"] for e in outcome.strategy.ledgers[1].entries] == [0, 1, 2]  # type: ignore[union-attr]
+
+
+def test_node_that_disappears_times_out_and_the_run_continues(tmp_path: Path) -> None:
+    def vanish(grid: InlineGrid, m: RoundMetrics) -> None:
+        if m.round == 1:
+            grid.silent.add(1001)  # still listed by the SuperLink, never answers again
+
+    timeout = 1.0
+    t0 = time.perf_counter()
+    outcome, _ = _run_inline(
+        tmp_path, lambda app, msg, ctx: app(msg, ctx), round_timeout=timeout, on_grid=vanish
+    )
+    wall = time.perf_counter() - t0
+    h = outcome.history
+    assert [m.round for m in h] == [1, 2, 3]
+    assert h[0].participants == ["red", "blue"]
+    for m in h[1:]:
+        assert m.participants == ["red"]
+        assert {r["phase"] for r in m.rejected} == {"release", "evaluate"}
+        assert all("no reply within 1s" in r["reason"] for r in m.rejected)
+        assert list(m.client_acc) == ["red"]
+    assert wall < 60  # two rounds x two phases x 1 s, plus the work
+
+
+def test_weight_sharing_method_averages_like_the_simulator(tmp_path: Path) -> None:
+    """fedavg (shares weights, no prototypes): the averaged weights travel and match."""
+    config = tiny_config("fedavg", "none", rounds=2)
+    data = build_federated_data(config, tmp_path)
+    ref = Simulation(config, data).run()
+    got = run_flower_simulation(config, home=tmp_path, backend="inline")
+    assert comparable(got.history) == comparable(ref)
+
+
+# ----- the app and its configuration ----------------------------------------------------------
+def test_generated_app_carries_the_config(tmp_path: Path) -> None:
+    from protofl.engine.flower.app import FLWR_RANGE, write_flower_app
+
+    config = tiny_config("fedproto", "vpdr")
+    path = write_flower_app(tmp_path / "app", config, out_dir=tmp_path / "runs", num_supernodes=2)
+    doc = tomllib.loads((path / "pyproject.toml").read_text())
+    flwr_app = doc["tool"]["flwr"]["app"]
+    assert flwr_app["components"]["clientapp"].endswith("components:clientapp")
+    run_config = dict(flwr_app["config"])
+    assert config_from_run_config(run_config) == config
+    run_config["protofl-set"] = "federation.rounds=1; seed=4"
+    changed = config_from_run_config(run_config)
+    assert (changed.federation.rounds, changed.seed) == (1, 4)
+    assert doc["project"]["dependencies"] == [f"flwr{FLWR_RANGE}"]
+    root = tomllib.loads(Path(__file__).parents[1].joinpath("pyproject.toml").read_text())
+    extra = root["project"]["optional-dependencies"].get("flower", [])
+    assert any(FLWR_RANGE in dep for dep in extra), "keep the extra's flwr range in sync"
+    with pytest.raises(FileExistsError):
+        write_flower_app(path, config, num_supernodes=2)
+
+
+def test_components_module_loads_from_the_run_config() -> None:
+    from protofl.engine.flower.app import components
+
+    assert components.clientapp is not None and components.serverapp is not None
+
+
+def test_import_protofl_stays_free_of_flower() -> None:
+    code = (
+        "import sys, protofl, protofl.cli, protofl.engine.runner, protofl.engine.flower;"
+        "bad = sorted(m for m in sys.modules if m == 'flwr' or m.startswith(('flwr.', 'ray')));"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_unknown_backend_and_missing_config_fail_clearly(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="backend"):
+        run_flower_simulation(tiny_config("fedproto", "none"), home=tmp_path, backend="nope")
+    with pytest.raises(ValueError, match="protofl-config"):
+        config_from_run_config({})
+
+
+def test_state_survives_in_context_between_messages(tmp_path: Path) -> None:
+    """The ClientApp keeps nothing it needs outside context.state: a fresh process cache
+    (simulated by clearing it) continues identically."""
+    from protofl.engine.flower import client_app as ca
+
+    config = tiny_config("fedproto", "vpdr", rounds=2)
+    ref = Simulation(config, build_federated_data(config, tmp_path)).run()
+
+    def wrap(app: Any, msg: Message, ctx: Context) -> Message:
+        ca._RUNTIMES.clear()  # every message in a "new process"
+        return app(msg, ctx)
+
+    outcome, _ = _run_inline(tmp_path, wrap, rounds=2)
+    assert comparable(outcome.history) == comparable(ref)
+
+
+def test_dtype_and_weights_round_trip_keep_client_models(tmp_path: Path) -> None:
+    from protofl.engine.flower.client_app import client_state, get_runtime, load_client_state
+
+    config = tiny_config("fedproto", "vpdr")
+    rt = get_runtime(config, tmp_path)
+    c = rt.sim.clients[0]
+    before = client_state(rt.sim, c)
+    with torch.no_grad():
+        for p in c.model.parameters():
+            p.add_(1.0)
+    load_client_state(rt.sim, c, before)
+    after = client_state(rt.sim, c)
+    for k, v in before["model"].items():
+        assert torch.equal(v, after["model"][k])
+
+
+def test_cli_glue_runs_the_flower_engine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What the lead wires into ``protofl``: ``run --engine flower`` and ``flower-app``."""
+    import argparse
+
+    import yaml
+
+    from protofl.engine.flower.run import (
+        add_flower_app_parser,
+        add_flower_arguments,
+        run_with_flower,
+    )
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config("fedproto", "vpdr", rounds=1).to_dict()))
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    run = sub.add_parser("run")
+    run.add_argument("config", nargs="?")
+    run.add_argument("--set", action="append")
+    run.add_argument("--out")
+    run.add_argument("--json", action="store_true")
+    run.add_argument("--resume")
+    add_flower_arguments(run)
+    add_flower_app_parser(sub)
+    args = parser.parse_args(
+        [
+            *("run", str(cfg), "--engine", "flower", "--flower-backend", "inline"),
+            *("--json", "--out", str(tmp_path / "runs")),
+        ]
+    )
+    assert args.engine == "flower"
+    assert run_with_flower(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["rounds"] == 1 and Path(out["run_dir"]).is_dir()
+    args = parser.parse_args(
+        ["flower-app", str(tmp_path / "app"), str(cfg), "--num-supernodes", "2"]
+    )
+    assert args.func(args) == 0
+    assert (tmp_path / "app" / "pyproject.toml").is_file()
+
+
+def _both_engines(config: Any, home: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    ref = Simulation(config, build_federated_data(config, home)).run()
+    got = run_flower_simulation(config, home=home, backend="inline").history
+    return comparable(ref), comparable(got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method",
+    ["fedavg", "feddap", "fedpcl", "fedplvm", "fedprox", "fedtgp", "fpl", "local", "moon", "mpft"],
+)
+def test_every_method_runs_identically_on_flower(method: str, tmp_path: Path) -> None:
+    """Server-side state (FedTGP generator, MPFT head), weight sharing, per-domain aggregation."""
+    ref, got = _both_engines(tiny_config(method, "vpdr", rounds=2), tmp_path)
+    assert got == ref
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["data.clients_per_domain=3", "federation.participation=0.5"],
+        ["federation.dropout=0.4"],  # round 3 has no participant at all
+        ["privacy.dcr=true"],
+        ["data.domains=[red,blue,green]", "data.holdout_domain=blue"],
+    ],
+)
+def test_sampling_dcr_and_holdout_match_the_simulator(overrides: list[str], tmp_path: Path) -> None:
+    ref, got = _both_engines(tiny_config("fedproto", "vpdr").with_overrides(overrides), tmp_path)
+    assert got == ref
