@@ -115,3 +115,13 @@ def test_features_not_finite_is_caught() -> None:
             generator=torch.Generator(),
             client="mnist",
         )
+
+
+def test_membership_inference_every_round_is_written_to_metrics(tmp_path: Path) -> None:
+    cfg = _toy(**{"privacy.mechanism": "igpp", "run.mia_every": "1"})
+    result = run_experiment(cfg, out=tmp_path)
+    rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert set(row["mia"]) == {"red", "green", "blue", "grey"}
+        assert 0.0 <= row["mia"]["red"]["mia_auc"] <= 1.0
+        assert set(row["feature_norms"]["red"]) >= {"mean", "q50", "frac_above_clip"}

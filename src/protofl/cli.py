@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_report_parsers(sub)
     add_flower_app_parser(sub)
+    from protofl.attacks.cli import add_attack_parsers
+
+    add_attack_parsers(sub)
     try:
         from protofl.privacy.cli import add_privacy_parser, run_privacy
     except ImportError:  # pragma: no cover

@@ -146,11 +146,13 @@ class RunConfig:
     save_releases: bool = True
     progress: bool = True
     tensorboard: bool = False
+    mia_every: int = 0  # run the membership-inference attack every k rounds (0: off)
     threads: int | None = None  # None: all cores for feature extraction, 1 for training
 
     def __post_init__(self) -> None:
         if self.threads is not None:
             check_range("run.threads", self.threads, low=1)
+        check_range("run.mia_every", self.mia_every, low=0)
 
 
 @dataclass(frozen=True)

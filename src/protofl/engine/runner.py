@@ -233,6 +233,7 @@ def save_artifacts(sim: Simulation, run_dir: Path) -> None:
                 "counts": r.counts,
                 "sensitivity": r.sensitivity,
                 "noise_std_mean": r.noise_std.mean(dim=1),
+                "noise_std": r.noise_std,
                 "info": r.info,
             }
             for r in round_releases

@@ -67,6 +67,7 @@ class RoundMetrics:
     participants: list[str] = field(default_factory=list)
     rejected: list[dict[str, str]] = field(default_factory=list)
     feature_norms: dict[str, dict[str, float]] = field(default_factory=dict)
+    mia: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe dict for metrics.jsonl."""
@@ -83,6 +84,7 @@ class RoundMetrics:
             "participants": self.participants,
             "rejected": self.rejected,
             "feature_norms": self.feature_norms,
+            "mia": self.mia,
         }
 
     @classmethod
@@ -158,6 +160,7 @@ class Simulation:
                 )
         self.releases: list[list[Release | None]] = []
         self.last_feature_norms: dict[str, dict[str, float]] = {}
+        self.last_mia: dict[str, dict[str, float]] = {}
         self.history: list[RoundMetrics] = []
         self.batched: Any = None
         self.server_gen = torch.Generator().manual_seed(derive_seed(config.seed, 4))
@@ -184,7 +187,9 @@ class Simulation:
         """
         uploads: list[Upload] = []
         norms: dict[str, dict[str, float]] = {}
+        mia: dict[str, dict[str, float]] = {}
         self.last_feature_norms = norms
+        self.last_mia = mia
         cluster_fn = self.method.cluster_fn()
         round_releases: list[Release | None] = []
         for i, c in enumerate(self.clients):
@@ -207,6 +212,21 @@ class Simulation:
                     cluster_fn=cluster_fn,
                 )
                 c.ledger.record(self.round, release)
+                k = self.config.run.mia_every
+                if k and (self.round + 1) % k == 0:
+                    # the paper's audit (VPDR App. E.6.2) on this very release
+                    from protofl.attacks.mia import mia_on_release
+
+                    with torch.no_grad():
+                        test_f = self.method.upload_features(c.model, c.data.test_z)
+                    mia[c.data.name] = mia_on_release(
+                        feats,
+                        c.data.train_y,
+                        test_f,
+                        c.data.test_y,
+                        release,
+                        seed=derive_seed(self.config.seed, 5, c.data.client, self.round),
+                    )
             round_releases.append(release)
             uploads.append(
                 Upload(
@@ -348,6 +368,7 @@ class Simulation:
             holdout_acc=self.evaluate_holdout(),
             participants=[c.data.name for c, a in zip(self.clients, active) if a],
             feature_norms=self.last_feature_norms,
+            mia=self.last_mia,
             rejected=rejected,
         )
         self.round += 1

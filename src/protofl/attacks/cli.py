@@ -1,0 +1,253 @@
+"""``protofl attack RUN_DIR --attack mia|fsh`` and ``protofl audit --mechanism igpp|vpp ...``.
+
+Wire into the top-level parser with ``add_attack_parsers(subparsers)``; each parsed namespace has
+``func`` set to a handler returning the exit code.  Bad input raises ``ValueError`` or
+``FileNotFoundError`` (the top-level ``main`` turns them into one line and exit code 2).
+Standalone: ``python -m protofl.attacks.cli attack RUN_DIR --attack mia``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+MIA_COLUMNS = (
+    ("mia_auc", "AUC"),
+    ("mia_tpr_at_1fpr", "TPR@1%FPR"),
+    ("mia_advantage", "adv"),
+    ("mia_f1", "F1"),
+    ("mia_pc_auc", "pc AUC"),
+    ("mia_pc_tpr_at_1fpr", "pc TPR@1%"),
+    ("mia_pc_advantage", "pc adv"),
+    ("mia_cal_auc", "cal AUC"),
+    ("mia_cal_tpr_at_1fpr", "cal TPR@1%"),
+    ("mia_cal_advantage", "cal adv"),
+    ("mia_members", "members"),
+    ("mia_nonmembers", "non-members"),
+)
+FSH_COLUMNS = (
+    ("cos_sim", "cos sim"),
+    ("cffd", "cFFD (diag)"),
+    ("top1_hit", "top-1 hit"),
+    ("top1_hit_released", "hit (released)"),
+    ("steps", "steps"),
+)
+
+
+def _fmt(value: Any) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.0f}" if abs(value) >= 100 or value.is_integer() else f"{value:.4f}"
+    return str(value)
+
+
+def _print_table(
+    title: str, rows: dict[str, dict[str, Any]], columns: Sequence[tuple[str, str]]
+) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("client")
+    for _, head in columns:
+        table.add_column(head, justify="right")
+    for name, metrics in rows.items():
+        table.add_row(name, *(_fmt(metrics.get(key)) for key, _ in columns))
+    Console(width=200).print(table)
+
+
+def _cmd_attack(args: argparse.Namespace) -> int:
+    from protofl.attacks.artifacts import json_safe
+
+    clients = [args.client] if args.client else None
+    if args.round is not None and args.round < 1:
+        raise ValueError(f"--round={args.round} is out of range; allowed: integers >= 1")
+    if args.attack == "mia":
+        from protofl.attacks.mia import mia_on_run
+
+        result = mia_on_run(
+            args.run_dir,
+            round_=args.round,
+            clients=clients,
+            max_per_class=args.max_per_class,
+            seed=args.seed,
+        )
+        columns: Sequence[tuple[str, str]] = MIA_COLUMNS
+        out_file = "attack_mia.json"
+    else:
+        from protofl.attacks.fsh import fsh_on_run
+
+        result = fsh_on_run(
+            args.run_dir,
+            round_=args.round,
+            clients=clients,
+            samples_per_target=args.samples,
+            max_steps=args.steps,
+            patience=args.patience,
+            seed=args.seed,
+        )
+        columns = FSH_COLUMNS
+        out_file = "attack_fsh.json"
+    if args.json:
+        print(json.dumps(json_safe(result), indent=2))
+        return 0
+    eps = "no privacy" if result["epsilon"] is None else f"epsilon={result['epsilon']:g}"
+    title = (
+        f"{args.attack.upper()} on {result['method']} / {result['mechanism']} ({eps}), "
+        f"round {result['round']} of {result['rounds']}"
+    )
+    _print_table(title, {**result["clients"], "mean": result["mean"]}, columns)
+    print(f"written: {result['run_dir']}/{out_file}")
+    for name in result.get("images", {}).values():
+        print(f"image:   {result['run_dir']}/{name}")
+    return 0
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from protofl.attacks.audit import audit_mechanism
+
+    result = audit_mechanism(
+        args.mechanism,
+        args.epsilon,
+        delta=args.delta,
+        trials=args.trials,
+        release_trials=args.release_trials,
+        mode=args.mode,
+        rounds=args.rounds,
+        dim=args.dim,
+        seed=args.seed,
+    )
+    if args.json:
+        from protofl.attacks.artifacts import json_safe
+
+        print(json.dumps(json_safe(result), indent=2))
+        return 1 if result["violation"] else 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=(
+            f"DP audit of {result['mechanism']} at epsilon={result['epsilon']:g}, "
+            f"delta={result['delta']:g}, calibrated for {result['rounds']} release(s)"
+        )
+    )
+    for col in (
+        "mode",
+        "trials",
+        "claimed eps (1 release)",
+        "eps lower bound (95%)",
+        "FPR",
+        "FNR",
+        "separation",
+    ):
+        table.add_column(col, justify="right")
+    for mode, res in result["modes"].items():
+        table.add_row(
+            mode,
+            str(res["trials"]),
+            f"{result['epsilon_claimed']:.4f}",
+            f"{res['epsilon_lower_bound']:.4f}",
+            f"{res['fpr']:.4g}",
+            f"{res['fnr']:.4g}",
+            f"{res['separation']:.3f}",
+        )
+    Console(width=160).print(table)
+    verdict = "VIOLATION" if result["violation"] else "no violation"
+    print(
+        f"{verdict}: lower bound {result['epsilon_lower_bound']:.4f} vs claimed "
+        f"{result['epsilon_claimed']:.4f}"
+    )
+    return 1 if result["violation"] else 0
+
+
+def add_attack_parsers(subparsers: Any) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """Register ``attack`` and ``audit`` on an argparse subparsers object."""
+    attack: argparse.ArgumentParser = subparsers.add_parser(
+        "attack", help="membership inference or feature-space hijacking on a finished run"
+    )
+    attack.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (with artifacts.pt)")
+    attack.add_argument("--attack", choices=("mia", "fsh"), default="mia")
+    attack.add_argument(
+        "--round",
+        type=int,
+        default=None,
+        help="release round to attack (1-based; default: the last)",
+    )
+    attack.add_argument("--client", default=None, help="attack one client (default: all)")
+    attack.add_argument("--seed", type=int, default=0)
+    attack.add_argument(
+        "--max-per-class",
+        type=int,
+        default=800,
+        help="MIA: members and non-members kept per class (default 800)",
+    )
+    attack.add_argument(
+        "--steps",
+        type=int,
+        default=300,
+        help="FSH: step cap of the optimisation (default 300; the paper 10000)",
+    )
+    attack.add_argument(
+        "--patience", type=int, default=300, help="FSH: early-stopping patience (default 300)"
+    )
+    attack.add_argument(
+        "--samples",
+        type=int,
+        default=2,
+        help="FSH: reconstructions per target prototype (default 2)",
+    )
+    attack.add_argument("--json", action="store_true", help="print the result as JSON")
+    attack.set_defaults(func=_cmd_attack)
+
+    audit: argparse.ArgumentParser = subparsers.add_parser(
+        "audit", help="empirical lower bound on a mechanism's epsilon (exit 1 on a violation)"
+    )
+    audit.add_argument("--mechanism", choices=("igpp", "vpp"), required=True)
+    audit.add_argument("--epsilon", type=float, required=True)
+    audit.add_argument("--delta", type=float, default=1e-5)
+    audit.add_argument(
+        "--trials",
+        type=int,
+        default=20_000,
+        help="trials per data set, vectorised (default 20000; at least 100)",
+    )
+    audit.add_argument(
+        "--release-trials",
+        type=int,
+        default=1_000,
+        help="trials per data set through the real release() (default 1000)",
+    )
+    audit.add_argument("--mode", choices=("fast", "release", "both"), default="both")
+    audit.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="calibrate for this many releases and audit one (default 1)",
+    )
+    audit.add_argument("--dim", type=int, default=32, help="feature dimension (default 32)")
+    audit.add_argument("--seed", type=int, default=0)
+    audit.add_argument("--json", action="store_true", help="print the result as JSON")
+    audit.set_defaults(func=_cmd_audit)
+    return attack, audit
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Standalone entry point (``python -m protofl.attacks.cli``)."""
+    parser = argparse.ArgumentParser(prog="protofl")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_attack_parsers(sub)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"protofl: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
