@@ -68,6 +68,7 @@ class RoundMetrics:
     rejected: list[dict[str, str]] = field(default_factory=list)
     feature_norms: dict[str, dict[str, float]] = field(default_factory=dict)
     mia: dict[str, dict[str, float]] = field(default_factory=dict)
+    missing_classes: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe dict for metrics.jsonl."""
@@ -85,6 +86,7 @@ class RoundMetrics:
             "rejected": self.rejected,
             "feature_norms": self.feature_norms,
             "mia": self.mia,
+            "missing_classes": self.missing_classes,
         }
 
     @classmethod
@@ -347,6 +349,7 @@ class Simulation:
         uploads = self.collect_uploads(active)
         accepted, rejected = self.validate(uploads)
         self.global_state = self.method.aggregate(accepted, self.round)
+        missing = self.missing_classes(accepted)
         losses = self.train_active([c for c, a in zip(self.clients, active) if a])
         if self.method.shares_weights and any(active):
             self.average_weights(active)
@@ -369,11 +372,27 @@ class Simulation:
             participants=[c.data.name for c, a in zip(self.clients, active) if a],
             feature_norms=self.last_feature_norms,
             mia=self.last_mia,
+            missing_classes=missing,
             rejected=rejected,
         )
         self.round += 1
         self.history.append(metrics)
         return metrics
+
+    def missing_classes(self, accepted: list[Upload]) -> list[int]:
+        """Classes no accepted upload carries this round (reported, never invented)."""
+        if not self.method.uses_prototypes or not accepted:
+            return []
+        present: set[int] = set()
+        for up in accepted:
+            if up.release is not None:
+                present.update(int(c) for c in up.release.classes.tolist())
+        missing = [c for c in range(self.data.num_classes) if c not in present]
+        if missing:
+            log.warning(
+                "round %d: no client uploaded a prototype of class(es) %s", self.round + 1, missing
+            )
+        return missing
 
     def validate(self, uploads: list[Upload]) -> tuple[list[Upload], list[dict[str, str]]]:
         """Server-side upload validation; rejected uploads are logged and left out."""
