@@ -230,3 +230,10 @@ def test_cli_calibrate_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert "sigma" in capsys.readouterr().out
     assert cli_main(["privacy", "calibrate", "--epsilon", "-1", "--rounds", "20"]) == 2
     assert "epsilon" in capsys.readouterr().err
+
+
+def test_rdp_calibration_is_pushed_to_the_safe_side_of_float_rounding() -> None:
+    # found by the property test above: the bisection returned a sigma spending 0.1 + 2e-17
+    delta = 10.0**-5.853515625
+    sigma = calibrate_gaussian(0.1, delta, 14, "rdp")
+    assert epsilon_spent(gaussians(sigma, 14), delta=delta, accountant="rdp") <= 0.1

@@ -24,7 +24,7 @@ import functools
 import math
 import numbers
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -302,7 +302,7 @@ def calibrate_gaussian(epsilon: float, delta: float, rounds: int, accountant: st
     if accountant == "pld":
         return gaussian_sigma(epsilon, delta) * math.sqrt(rounds) * (1.0 + 1e-10)
     if accountant == "rdp":
-        return float(
+        sigma = float(
             dp_accounting.calibrate_dp_mechanism(
                 make_fresh_accountant=RdpAccountant,
                 make_event_from_param=lambda s: dp_accounting.SelfComposedDpEvent(
@@ -314,7 +314,30 @@ def calibrate_gaussian(epsilon: float, delta: float, rounds: int, accountant: st
                 tol=1e-6,
             )
         )
+        events = [{"kind": "gaussian", "noise_multiplier": sigma}]
+        return _round_up_until(
+            sigma,
+            lambda z: epsilon_spent(
+                [{**events[0], "noise_multiplier": z}] * rounds, delta=delta, accountant="rdp"
+            ),
+            epsilon,
+        )
     return _classic_sigma(epsilon, delta, rounds)
+
+
+def _round_up_until(sigma: float, spent: Callable[[float], float], epsilon: float) -> float:
+    """Raise ``sigma`` by a growing relative step until ``spent(sigma) <= epsilon``.
+
+    A bisection can land a float-rounding hair above the target (seen: 0.10000000000000002 for
+    0.1); a claim is never allowed to exceed the budget, so the result is pushed to the safe side.
+    """
+    step = 1e-12
+    while spent(sigma) > epsilon:
+        sigma *= 1.0 + step
+        step *= 10.0
+        if step > 1.0:
+            raise RuntimeError(f"could not calibrate sigma to epsilon={epsilon}")
+    return sigma
 
 
 def calibrate_joint(
