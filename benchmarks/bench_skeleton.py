@@ -87,6 +87,7 @@ def main() -> None:
             "run.progress=false",
         ]
     )
+    torch.set_num_threads(1)  # as the engine trains (run.threads unset): see docs/performance.md
     cached, uncached = round_times(config)
     results.update(
         {"round_cached_s": cached, "round_uncached_s": uncached, "cache_speedup": uncached / cached}
