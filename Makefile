@@ -41,7 +41,7 @@ pytest: $(TESTSTAMP)
 test: lint typecheck pytest
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_skeleton.py
+	$(PY) benchmarks/bench_suite.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

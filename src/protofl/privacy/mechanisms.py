@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from protofl.privacy.base import (
     MECHANISM_REGISTRY,
     ClusterFn,
     Mechanism,
+    NoPrivacy,
     Release,
     check_finite,
     group_means,
@@ -686,3 +688,330 @@ class VPP(_PrototypeMechanism):
             c: {key: torch.tensor(v, dtype=torch.float64) for key, v in h.items()}
             for c, h in state.get("history", {}).items()
         }
+
+
+# --------------------------------------------------------------------------------------------
+# many clients at once
+# --------------------------------------------------------------------------------------------
+def _anova_many(
+    x: torch.Tensor,
+    labels: torch.Tensor,
+    seg: torch.Tensor,
+    sizes: list[int],
+    num_classes: int,
+    zeta: float,
+) -> torch.Tensor:
+    """:func:`anova_scores` of every client at once ([M, d], float64); rows of clients with
+    fewer than two classes (or no samples) are zero.  Sums are accumulated per (client, class)
+    with ``index_add_``, so values agree with the per-client function to float64 rounding."""
+    m = len(sizes)
+    xd = x.detach().to(torch.float64)
+    d = xd.shape[1]
+    key = seg * num_classes + labels
+    counts = torch.bincount(key, minlength=m * num_classes).to(torch.float64)
+    sums = torch.zeros(m * num_classes, d, dtype=torch.float64).index_add_(0, key, xd)
+    means = sums / counts.clamp_min(1.0).unsqueeze(1)
+    n = torch.tensor(sizes, dtype=torch.float64)
+    grand = sums.view(m, num_classes, d).sum(dim=1) / n.clamp_min(1.0)[:, None]
+    c = (counts.view(m, num_classes) > 0).sum(dim=1).to(torch.float64)
+    v_ter = (
+        counts.view(m, num_classes, 1) * (means.view(m, num_classes, d) - grand[:, None]) ** 2
+    ).sum(dim=1)
+    dev = means.index_select(0, key)
+    torch.sub(xd, dev, out=dev)
+    v_tra = torch.zeros(m, d, dtype=torch.float64).index_add_(0, seg, dev.mul_(dev))
+    dof = n - c
+    within = torch.where((dof > 0)[:, None], v_tra / dof.clamp_min(1.0)[:, None], 0.0)
+    zeta_eff = zeta * within.median(dim=1).values + 1e-12
+    scores = (v_ter / (c - 1).clamp_min(1.0)[:, None]) / (within + zeta_eff[:, None])
+    return torch.where((c >= 2)[:, None], scores, torch.zeros_like(scores))
+
+
+def release_many(
+    mechanism: Mechanism,
+    features: Sequence[torch.Tensor],
+    labels: Sequence[torch.Tensor],
+    *,
+    num_classes: int,
+    generators: Sequence[torch.Generator],
+    clients: Sequence[str],
+    cluster_fn: ClusterFn | None = None,
+) -> list[Release]:
+    """``[mechanism.release(features[i], labels[i], ...) for i]`` computed for all clients at once.
+
+    The same releases: every generator makes the same draws in the same order (selection noise,
+    then prototype noise), the same charges, small-class warnings, cached partitions and release
+    history, the same sensitivities and noise scales (bitwise); prototypes and scores are summed
+    per (client, class) with ``index_add_`` instead of per-client means, so they agree to float
+    rounding.  Clipping, class sums, ANOVA scores and the noise scaling are single tensor
+    operations over all clients; only the random draws loop (each client owns its generator).
+
+    Falls back to the per-client loop (identical by construction) for cluster releases, noisy
+    add/remove counts, mechanisms other than ``none``/IGPP/VPP, non-CPU or grad-carrying
+    tensors, mixed dtypes, or generators shared between clients.  On an error the per-client
+    checks run in order and raise the per-client message.
+    """
+    m = len(features)
+    if not (len(labels) == len(generators) == len(clients) == m):
+        raise ValueError("release_many: features, labels, generators and clients differ in length")
+    if m == 0:
+        return []
+    cfg = mechanism.config
+    fast = (
+        cluster_fn is None
+        and type(mechanism) in (IGPP, VPP, NoPrivacy)
+        and not (cfg.neighbouring == "add_remove" and cfg.addremove_counts == "noisy")
+        and len({id(g) for g in generators}) == m
+        and all(g.device.type == "cpu" for g in generators)
+        and all(f.device.type == "cpu" and not f.requires_grad for f in features)
+        and all(f.ndim == 2 for f in features)
+        and len({f.dtype for f in features}) == 1
+        and features[0].is_floating_point()
+        and all(
+            lab.numel() == 0 or (int(lab.min()) >= 0 and int(lab.max()) < num_classes)
+            for lab in labels
+        )
+    )
+    if not fast:
+        return [
+            mechanism.release(
+                features[i],
+                labels[i],
+                num_classes=num_classes,
+                generator=generators[i],
+                client=clients[i],
+                cluster_fn=cluster_fn,
+            )
+            for i in range(m)
+        ]
+    if isinstance(mechanism, NoPrivacy):
+        for i in range(m):
+            check_finite(features[i], clients[i])
+        return _plain_many(features, labels, num_classes)
+    assert isinstance(mechanism, _PrototypeMechanism)
+    dim = mechanism.dim
+    valid = all(
+        f.shape[1] == dim and lab.shape == (f.shape[0],) for f, lab in zip(features, labels)
+    ) and bool(torch.isfinite(torch.cat(list(features))).all())
+    for i in range(m):
+        if not valid:  # the per-client checks raise the per-client message, in order
+            mechanism._check(features[i], labels[i], num_classes, clients[i])
+        mechanism._charge(clients[i])
+    return _private_many(mechanism, features, labels, num_classes, generators, clients)
+
+
+def _segments(
+    features: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    sizes = [int(f.shape[0]) for f in features]
+    x = torch.cat(list(features))
+    y = torch.cat([lab.to(torch.long) for lab in labels])
+    seg = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    return x, y, seg, sizes
+
+
+def _class_sums(
+    x: torch.Tensor, y: torch.Tensor, seg: torch.Tensor, m: int, num_classes: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per (client, class) present: float64 sums, counts, client index, class index (ordered by
+    client, then class, as :func:`group_means`)."""
+    key = seg * num_classes + y
+    counts = torch.bincount(key, minlength=m * num_classes)
+    sums = torch.zeros(m * num_classes, x.shape[1], dtype=torch.float64)
+    sums.index_add_(0, key, x.detach().to(torch.float64))
+    present = torch.nonzero(counts > 0).flatten()
+    return sums[present], counts[present], present // num_classes, present % num_classes
+
+
+def _plain_many(
+    features: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], num_classes: int
+) -> list[Release]:
+    x, y, seg, sizes = _segments(features, labels)
+    sums, counts, owner, classes = _class_sums(x, y, seg, len(sizes), num_classes)
+    protos = (sums / counts[:, None].to(torch.float64)).to(x.dtype)
+    per = torch.bincount(owner, minlength=len(sizes)).tolist()
+    out = []
+    for p, c, n in zip(protos.split(per), classes.split(per), counts.split(per)):
+        out.append(
+            Release(
+                prototypes=p.clone(),
+                classes=c.clone(),
+                counts=n.clone(),
+                sensitivity=torch.full((len(c),), math.inf),
+                noise_std=torch.zeros_like(p),
+                mechanism=NoPrivacy.name,
+            )
+        )
+    return out
+
+
+def _blocks(sizes: list[int], rows: int = 4096, clients: int = 256) -> list[tuple[int, int]]:
+    """Consecutive client ranges of at most ``rows`` samples (or one client) and ``clients``
+    clients, so that the temporaries of the vectorised steps stay small (in cache)."""
+    out: list[tuple[int, int]] = []
+    start, used = 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and (used + n > rows or i - start >= clients):
+            out.append((start, i))
+            start, used = i, 0
+        used += n
+    out.append((start, len(sizes)))
+    return out
+
+
+def _topk_masks(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`topk_mask` of every row.  The top-k set is unique unless the k-th and (k+1)-th
+    largest values tie; such rows use the 1-D call itself, so ties break as per client."""
+    masks = torch.zeros(scores.shape, dtype=torch.bool)
+    if scores.shape[1] <= k:
+        masks[:] = True
+        return masks
+    top = torch.topk(scores, k + 1, dim=1)
+    masks.scatter_(1, top.indices[:, :k], True)
+    tied = top.values[:, k - 1] == top.values[:, k]
+    for i in torch.nonzero(tied).flatten().tolist():
+        masks[i] = topk_mask(scores[i], k)
+    return masks
+
+
+def _private_many(
+    mech: _PrototypeMechanism,
+    features: Sequence[torch.Tensor],
+    labels: Sequence[torch.Tensor],
+    num_classes: int,
+    generators: Sequence[torch.Generator],
+    clients: Sequence[str],
+) -> list[Release]:
+    sizes = [int(f.shape[0]) for f in features]
+    out: list[Release] = []
+    for a, b in _blocks(sizes):
+        out.extend(
+            _private_block(
+                mech, features[a:b], labels[a:b], num_classes, generators[a:b], clients[a:b]
+            )
+        )
+    return out
+
+
+def _private_block(
+    mech: _PrototypeMechanism,
+    features: Sequence[torch.Tensor],
+    labels: Sequence[torch.Tensor],
+    num_classes: int,
+    generators: Sequence[torch.Generator],
+    clients: Sequence[str],
+) -> list[Release]:
+    cfg = mech.config
+    x, y, seg, sizes = _segments(features, labels)
+    m, d = len(sizes), mech.dim
+    dtype = mech._dtype(features[0])
+    infos: list[dict[str, float]] = [{} for _ in range(m)]
+    events: list[list[dict[str, Any]]] = [[] for _ in range(m)]
+    # --- partitions (VPP selection, IGPP's optional random group clip) -------------------
+    if isinstance(mech, VPP):
+        masks = torch.zeros(m, d, dtype=torch.bool)
+        masks[:, : mech.k] = True  # clients without samples
+        raw = _anova_many(x, y, seg, sizes, num_classes, cfg.vpp_zeta)
+        variant = cfg.vpp_variant
+        draw: list[int] = []
+        for i in range(m):
+            infos[i]["k"] = float(mech.k)
+            if sizes[i] == 0:
+                continue
+            if variant == "history":
+                masks[i] = mech._history_mask(clients[i], generators[i])
+            elif variant in ("once", "normalized_once") and clients[i] in mech._partitions:
+                masks[i] = mech._partitions[clients[i]]
+            else:
+                draw.append(i)
+        if draw:
+            # one-shot Laplace top-k (Theorem 4.1): the draws of laplace_noise, client by client
+            u = torch.empty(len(draw), 2, d, dtype=torch.float64)
+            for j, i in enumerate(draw):
+                torch.rand((2, d), generator=generators[i], dtype=torch.float64, out=u[j])
+            e = -torch.log1p(-u)
+            lap = mech.budget.laplace_scale * (e[:, 0] - e[:, 1])
+            idx = torch.tensor(draw)
+            bounded = torch.stack([mech.bounded_scores(raw[i]) for i in draw])
+            chosen = _topk_masks(bounded + lap, mech.k)
+            masks[idx] = chosen
+            for j, i in enumerate(draw):
+                if variant in ("once", "normalized_once"):
+                    mech._partitions[clients[i]] = chosen[j].clone()
+                events[i] = [{"kind": "pure", "epsilon": mech.budget.eps_select}]
+        has = [i for i in range(m) if sizes[i] > 0]
+        if has:
+            ref = _topk_masks(raw[has], mech.k)
+            overlap = ((masks[has] & ref).sum(dim=1).double() / max(mech.k, 1)).tolist()
+            for j, i in enumerate(has):
+                infos[i]["partition_overlap"] = overlap[j]
+                infos[i]["selected"] = float(bool(events[i]))
+        clipped = clip_groups(x, masks[seg], mech.radius_a, mech.radius_b)
+        unit = torch.where(
+            masks,
+            torch.tensor(mech.budget.sigma_A * mech.radius_a, dtype=torch.float64),
+            torch.tensor(mech.budget.sigma_B * mech.radius_b, dtype=torch.float64),
+        )
+    else:
+        assert isinstance(mech, IGPP)
+        r = cfg.clip
+        if cfg.igpp_group_clip:
+            masks = torch.stack([random_mask(d, mech._k, g) for g in generators])
+            k = mech._k
+            clipped = clip_groups(x, masks[seg], r * math.sqrt(k / d), r * math.sqrt((d - k) / d))
+        else:
+            clipped = clip_l2(x, r)
+        unit = torch.full((m, d), mech.sigma * r, dtype=torch.float64)
+    # --- class means, sensitivities, noise ----------------------------------------------------
+    sums, counts, owner, classes = _class_sums(clipped, y, seg, m, num_classes)
+    n = counts.to(dtype)
+    protos = (sums / counts[:, None].to(torch.float64)).to(dtype)
+    factor = 2.0 if cfg.neighbouring == "replace_one" else 1.0
+    sensitivity = factor * cfg.clip / n
+    noise_std = factor * unit.to(dtype)[owner] / n[:, None]
+    per = torch.bincount(owner, minlength=m).tolist()
+    noise = torch.empty(protos.shape, dtype=dtype)
+    start = 0
+    for i in range(m):
+        # the draw of _noisy, client by client
+        torch.randn(
+            (per[i], d), generator=generators[i], dtype=dtype, out=noise[start : start + per[i]]
+        )
+        start += per[i]
+    noisy = protos + noise * noise_std
+    small = (counts < cfg.warn_min_count).tolist() if cfg.warn_min_count > 0 else None
+    out: list[Release] = []
+    start = 0
+    for i in range(m):
+        stop = start + per[i]
+        if small is not None and any(small[start:stop]):
+            mech._warn_small(
+                _Built(
+                    protos=protos[start:stop],
+                    classes=classes[start:stop],
+                    counts=counts[start:stop],
+                    sensitivity=sensitivity[start:stop],
+                    noise_std=noise_std[start:stop],
+                ),
+                clients[i],
+            )
+        ev = events[i]
+        if per[i] > 0:
+            ev = [*ev, {"kind": "gaussian", "noise_multiplier": mech.sigma}]
+        release = Release(
+            # the [k, d] tensors get their own storage (a single release saved alone stays
+            # small); the [k] ones are views of the block's few-kB vectors
+            prototypes=noisy[start:stop].clone(),
+            classes=classes[start:stop],
+            counts=counts[start:stop],
+            sensitivity=sensitivity[start:stop],
+            noise_std=noise_std[start:stop].clone(),
+            mechanism=mech.name,
+            events=ev,
+            info={"sigma": float(mech.sigma), **infos[i]},
+        )
+        start = stop
+        if isinstance(mech, VPP):
+            mech._remember(clients[i], release, num_classes)
+        out.append(release)
+    return out

@@ -1,0 +1,461 @@
+"""The benchmark suite: one command (``make bench``), a table, and ``benchmarks/results.json``.
+
+Every figure is a ratio of two timings measured in the same run, interleaved (the machines are
+shared and noisy; nothing here asserts a time).  Training is timed with one intra-op thread, as
+the engine trains.  Sections:
+
+* ``train``: one round of local training (FedProto objective with global prototypes), batched
+  (``federation.execution: batched``) versus sequential, at M = 20, 100 (default client model and
+  the frozen-projection model) and 1000 (frozen projection; sequential timed on every 10th
+  client and scaled by 10), and at M = 1000 one whole round of each engine (sequential: the
+  engine as it is, with memoised accounting; batched: the hooks of ``engine_hooks.py``);
+* ``kernel``: one local step of 50 clients three ways: the trainer's batched layers
+  (``torch.bmm``, weight gradients into buffers), plain ``torch.bmm`` + autograd on stacked
+  leaves, and ``torch.func.vmap`` of ``grad`` of ``functional_call``;
+* ``mechanisms``: IGPP, VPP and VPDR (VPP + DCR) at M = 100: release time (vectorised
+  ``release_many`` and the per-client loop) and whole-round time with the batched engine hooks
+  (overhead over IGPP from the best rounds, the median of paired ratios, and the extra time of
+  the phases that differ);
+* ``cache``: one round with cached features versus re-encoding every batch (bench_skeleton);
+* ``m1000``: 1000 clients x 20 rounds of FedProto + VPDR on a Dirichlet split of digits4
+  (``bench_m1000.py``, in its own process for its peak RSS), with a profile of one round.
+
+Usage: python benchmarks/bench_suite.py [--out benchmarks/results.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_m1000 import M1000_OVERRIDES  # noqa: E402
+from bench_skeleton import round_times  # noqa: E402
+from engine_hooks import HookedSimulation  # noqa: E402
+
+from protofl.config import ExperimentConfig  # noqa: E402
+from protofl.data.cache import protofl_home  # noqa: E402
+from protofl.engine.batched import BatchedTrainer, _BatchedLinear  # noqa: E402
+from protofl.engine.federated_data import FederatedData, build_federated_data  # noqa: E402
+from protofl.engine.simulation import Simulation  # noqa: E402
+from protofl.privacy import create_mechanism  # noqa: E402
+from protofl.privacy.mechanisms import release_many  # noqa: E402
+
+BASE = [
+    "data.name=digits4",
+    "data.partition=dirichlet",
+    "data.dirichlet_alpha=0.5",
+    "backbone.image_size=32",
+    "method.name=fedproto",
+    "privacy.warn_min_count=0",
+    "federation.checkpoint=false",
+    "run.progress=false",
+]
+FROZEN = ["backbone.train_projection=false"]
+_DATA: dict[str, FederatedData] = {}
+
+
+def machine() -> dict[str, Any]:
+    """Where the numbers come from."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gb": mem,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "train_threads": 1,
+        "load_average_start": list(os.getloadavg()),
+    }
+
+
+def config(*overrides: str) -> ExperimentConfig:
+    return ExperimentConfig().with_overrides([*BASE, *overrides])
+
+
+def data_for(cfg: ExperimentConfig) -> FederatedData:
+    key = repr(cfg.data) + repr(cfg.backbone)
+    if key not in _DATA:
+        _DATA[key] = build_federated_data(cfg, protofl_home())
+    return _DATA[key]
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------------------------
+def train_round(
+    m: int,
+    model: list[str],
+    *,
+    reps: int,
+    sample_every: int = 1,
+    two_threads: bool = False,
+    whole_round: bool = False,
+) -> dict[str, Any]:
+    """Seconds of one round of local training, sequential versus batched (interleaved)."""
+    extra = [f"data.clients_per_domain={m // 4}", *model]
+    if m >= 1000:
+        extra += [o for o in M1000_OVERRIDES if o.startswith(("data.train_f", "data.max_"))]
+    seq = HookedSimulation(config(*extra), data_for(config(*extra)))
+    bat = HookedSimulation(config(*extra, "federation.execution=batched"), data_for(config(*extra)))
+    seq.global_state = seq.method.aggregate(seq.collect_uploads(), 0)
+    bat.global_state = copy.deepcopy(seq.global_state)
+    bat.batched = BatchedTrainer(bat)
+    bat.batched.train(bat.clients)  # warm-up: adopts the clients into the stacked storage
+    sample = seq.clients[::sample_every]
+    scale = len(seq.clients) / len(sample)
+    t_seq, t_bat = [], []
+    for _ in range(reps):
+        t_seq.append(scale * timed(lambda: [seq.train_client(c) for c in sample]))
+        t_bat.append(timed(lambda: bat.batched.train(bat.clients)))
+    s, b = statistics.median(t_seq), statistics.median(t_bat)
+    out = {
+        "clients": len(seq.clients),
+        "train_samples": sum(c.data.num_train for c in seq.clients),
+        "sequential_s": s,
+        "batched_s": b,
+        "speedup": s / b,
+        "sequential_extrapolated_from": len(sample),
+    }
+    if whole_round:  # a full round: uploads, aggregation, training, evaluation, accounting
+        out["round_sequential_s"] = seq.run_round().wall_s
+        out["round_batched_s"] = bat.run_round().wall_s
+        out["round_speedup"] = out["round_sequential_s"] / out["round_batched_s"]
+    if two_threads:  # intra-op threads on a shared machine (the engine trains on one)
+        torch.set_num_threads(2)
+        try:
+            out["batched_2threads_s"] = timed(lambda: bat.batched.train(bat.clients))
+            out["sequential_2threads_s"] = scale * timed(
+                lambda: [seq.train_client(c) for c in sample]
+            )
+        finally:
+            torch.set_num_threads(1)
+    return out
+
+
+def kernel_step(k: int = 50, rows: int = 64, reps: int = 5) -> dict[str, float]:
+    """One forward+backward of k default client models three ways (seconds per step)."""
+    from torch.func import functional_call, grad, vmap
+
+    from protofl.config import BackboneConfig
+    from protofl.models.client import build_client_model
+
+    g = torch.Generator().manual_seed(0)
+    model = build_client_model(1280, 10, BackboneConfig(), g)
+    names = [n for n, _ in model.named_parameters()]
+    stacked = {
+        n: p.detach().unsqueeze(0).repeat(k, *[1] * p.ndim) for n, p in model.named_parameters()
+    }
+    for t in stacked.values():
+        t.add_(0.01 * torch.randn(t.shape, generator=g))
+    z = torch.randn(k, rows, 1280, generator=g)
+    y = torch.randint(0, 10, (k, rows), generator=g)
+    grads = {n: torch.empty_like(t) for n, t in stacked.items()}
+    anchor = torch.zeros((), requires_grad=True)
+
+    def lin(n: str, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        b = stacked[n + ".bias"] if bias else None
+        gb = grads[n + ".bias"] if bias else None
+        return _BatchedLinear.apply(x, stacked[n + ".weight"], b, grads[n + ".weight"], gb, anchor)
+
+    def ours() -> None:
+        h = torch.relu(lin("adapter.down", z, bias=False))
+        f = lin("proj", z + lin("adapter.up", h, bias=False))
+        logits = lin("head", f)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 10), y.reshape(-1))
+        loss.backward()
+
+    def plain() -> None:
+        p = {n: t.detach().requires_grad_() for n, t in stacked.items()}
+        h = torch.relu(torch.bmm(z, p["adapter.down.weight"].transpose(1, 2)))
+        a = z + torch.bmm(h, p["adapter.up.weight"].transpose(1, 2))
+        f = torch.baddbmm(p["proj.bias"].unsqueeze(1), a, p["proj.weight"].transpose(1, 2))
+        logits = torch.baddbmm(p["head.bias"].unsqueeze(1), f, p["head.weight"].transpose(1, 2))
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 10), y.reshape(-1)).backward()
+
+    def loss_one(params: dict[str, torch.Tensor], zi: torch.Tensor, yi: torch.Tensor) -> Any:
+        _, logits = functional_call(model, params, (zi,))
+        return torch.nn.functional.cross_entropy(logits, yi)
+
+    per_client = vmap(grad(loss_one))
+
+    def vmapped() -> None:
+        per_client({n: stacked[n] for n in names}, z, y)
+
+    out = {}
+    for name, fn in (("batched_layers", ours), ("bmm_autograd", plain), ("vmap_grad", vmapped)):
+        fn()
+        out[f"{name}_s"] = min(timed(fn) for _ in range(reps))
+    out["vmap_over_batched"] = out["vmap_grad_s"] / out["batched_layers_s"]
+    return out
+
+
+def mechanisms(m: int, *, rounds: int) -> dict[str, Any]:
+    """IGPP / VPP / VPDR: release time and round time (batched engine with hooks)."""
+    base = [f"data.clients_per_domain={m // 4}", "federation.execution=batched"]
+    sims = {
+        mech: HookedSimulation(config(*base, f"privacy.mechanism={mech}"), data_for(config(*base)))
+        for mech in ("igpp", "vpp", "vpdr")
+    }
+    for sim in sims.values():
+        sim.run_round()  # warm-up (adoption, caches)
+    walls: dict[str, list[float]] = {k: [] for k in sims}
+    uploads: dict[str, list[float]] = {k: [] for k in sims}
+    trains: dict[str, list[float]] = {k: [] for k in sims}
+    for _ in range(rounds):
+        for mech, sim in sims.items():
+            walls[mech].append(sim.run_round().wall_s)
+            uploads[mech].append(sim.upload_s[-1])
+            trains[mech].append(sim.train_s[-1])
+    # the engine's own privacy_status (per-client PLD accounting, no memo): each ledger
+    # computes once for its new events (the memoised one above charged only one per round)
+    status_s = {}
+    for mech, sim in sims.items():
+        t0 = time.perf_counter()
+        Simulation.privacy_status(sim)
+        status_s[mech] = time.perf_counter() - t0
+    # the mechanisms alone, on the same features (the igpp simulation's current ones)
+    ref = sims["igpp"]
+    assert ref.batched is not None
+    feats = ref.batched.features_many(ref.clients)
+    labels = [c.data.train_y for c in ref.clients]
+    names = [c.data.name for c in ref.clients]
+    release: dict[str, dict[str, float]] = {}
+    for mech in ("igpp", "vpp"):
+        cfg = config(*base, f"privacy.mechanism={mech}").privacy
+        many, loop = [], []
+        for _ in range(3):
+            mk = create_mechanism(cfg, rounds=10, dim=feats[0].shape[1])
+            gens = [torch.Generator().manual_seed(i) for i in range(len(feats))]
+            t0 = time.perf_counter()
+            release_many(mk, feats, labels, num_classes=10, generators=gens, clients=names)
+            t1 = time.perf_counter()
+            for f, y, g, n in zip(feats, labels, gens, names):
+                mk.release(f, y, num_classes=10, generator=g, client=n)
+            many.append(t1 - t0)
+            loop.append(time.perf_counter() - t1)
+        release[mech] = {"many": min(many), "loop": min(loop)}
+    # three estimates of the overhead of a round over IGPP's: best rounds (min: least disturbed
+    # by other jobs), the median of the interleaved per-round ratios, and the extra time of the
+    # two phases that differ (uploads: VPP's scores and selection; training: DCR) over IGPP's
+    # round, medians of per-round differences
+    best = {mech: min(walls[mech]) / min(walls["igpp"]) - 1 for mech in ("vpp", "vpdr")}
+    median = {
+        mech: statistics.median(w / i for w, i in zip(walls[mech], walls["igpp"])) - 1
+        for mech in ("vpp", "vpdr")
+    }
+    phases = {
+        mech: (
+            statistics.median(a - b for a, b in zip(uploads[mech], uploads["igpp"]))
+            + statistics.median(a - b for a, b in zip(trains[mech], trains["igpp"]))
+        )
+        / statistics.median(walls["igpp"])
+        for mech in ("vpp", "vpdr")
+    }
+    return {
+        "clients": m,
+        "rounds": rounds,
+        "round_s": {k: min(v) for k, v in walls.items()},
+        "round_median_s": {k: statistics.median(v) for k, v in walls.items()},
+        "upload_s": {k: statistics.median(v) for k, v in uploads.items()},
+        "train_s": {k: statistics.median(v) for k, v in trains.items()},
+        "release_many_s": {k: v["many"] for k, v in release.items()},
+        "release_loop_s": {k: v["loop"] for k, v in release.items()},
+        "privacy_status_unmemoised_s": status_s,
+        "vpp_round_overhead": best["vpp"],
+        "vpdr_round_overhead": best["vpdr"],
+        "vpdr_round_overhead_median_ratio": median["vpdr"],
+        "vpdr_round_overhead_phases": phases["vpdr"],
+        "vpp_round_overhead_phases": phases["vpp"],
+        "vpp_release_overhead": release["vpp"]["many"] / release["igpp"]["many"] - 1,
+    }
+
+
+def cache(per_domain: int) -> dict[str, float]:
+    """bench_skeleton's round with cached features versus recomputing them."""
+    cfg = ExperimentConfig().with_overrides(
+        [
+            "data.name=digits4",
+            f"data.max_train_per_domain={per_domain}",
+            "data.train_fraction=1",
+            "federation.local_epochs=1",
+            "run.progress=false",
+        ]
+    )
+    # one thread for both, as the engine trains (two threads on a loaded 2-core machine made
+    # the cached round 40x slower in one run: the ratio then measures oversubscription)
+    cached, uncached = round_times(cfg)
+    return {"round_cached_s": cached, "round_uncached_s": uncached, "speedup": uncached / cached}
+
+
+def m1000(rounds: int) -> dict[str, Any]:
+    """The 1000-client run, in its own process (its own peak RSS)."""
+    out = subprocess.run(
+        [sys.executable, str(HERE / "bench_m1000.py"), "--rounds", str(rounds)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(HERE / "results.json"))
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and rounds")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    reps = 1 if args.quick else 3
+    t0 = time.perf_counter()
+    results: dict[str, Any] = {"machine": machine()}
+    results["command"] = "make bench  # python benchmarks/bench_suite.py" + (
+        " --quick" if args.quick else ""
+    )
+
+    def step(name: str, fn: Callable[[], Any]) -> Any:
+        print(f"... {name}", file=sys.stderr, flush=True)
+        return fn()
+
+    train: dict[str, Any] = {}
+    train["m20_default"] = step("train M=20", lambda: train_round(20, [], reps=reps))
+    train["m100_default"] = step(
+        "train M=100", lambda: train_round(100, [], reps=reps, two_threads=True)
+    )
+    train["m100_frozen_proj"] = step(
+        "train M=100 frozen", lambda: train_round(100, FROZEN, reps=reps)
+    )
+    train["m1000_frozen_proj"] = step(
+        "train M=1000 frozen",
+        lambda: train_round(1000, FROZEN, reps=max(1, reps - 1), sample_every=10, whole_round=True),
+    )
+    _DATA.clear()
+    results["train"] = train
+    results["kernel"] = step("kernel", kernel_step)
+    results["mechanisms"] = step(
+        "mechanisms", lambda: mechanisms(100, rounds=3 if args.quick else 6)
+    )
+    _DATA.clear()
+    results["cache"] = step("cache", lambda: cache(100 if args.quick else 200))
+    results["m1000"] = step("m1000", lambda: m1000(5 if args.quick else 20))
+    results["machine"]["load_average_end"] = list(os.getloadavg())
+    results["suite_wall_s"] = time.perf_counter() - t0
+    results.update(
+        {
+            "batched_speedup_m100": train["m100_default"]["speedup"],
+            "batched_speedup_m100_frozen_proj": train["m100_frozen_proj"]["speedup"],
+            "batched_speedup_m1000": train["m1000_frozen_proj"]["speedup"],
+            "round_speedup_m1000": train["m1000_frozen_proj"].get("round_speedup"),
+            "vpdr_round_overhead": results["mechanisms"]["vpdr_round_overhead"],
+            "cache_speedup": results["cache"]["speedup"],
+            "m1000_wall_s": results["m1000"]["wall_s"],
+            "m1000_peak_rss_gb": results["m1000"]["peak_rss_gb"],
+            "m1000_avg_acc": results["m1000"]["avg_acc"],
+        }
+    )
+    print_table(results)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwritten {args.out}")
+
+
+def print_table(r: dict[str, Any]) -> None:
+    """The human-readable summary."""
+    mach = r["machine"]
+    load = f"{mach['load_average_start'][0]:.1f} -> {mach['load_average_end'][0]:.1f}"
+    print(f"\nmachine: {mach['cpu']}, {mach['cores']} cores, torch {mach['torch']}, load {load}")
+    print(
+        f"\n{'local training, one round (1 thread)':36s} {'seq s':>7s} {'batched s':>9s} {'x':>6s}"
+    )
+    for name, t in r["train"].items():
+        n, k = t["clients"], t["sequential_extrapolated_from"]
+        note = f"  (seq: {k} clients x{n // k})" if k < n else ""
+        print(
+            f"{name:36s} {t['sequential_s']:7.2f} {t['batched_s']:9.2f} {t['speedup']:6.2f}{note}"
+        )
+    t = r["train"]["m1000_frozen_proj"]
+    if "round_speedup" in t:
+        print(
+            f"whole round at M=1000 (uploads, training, evaluation): sequential engine "
+            f"{t['round_sequential_s']:.1f} s, batched engine {t['round_batched_s']:.1f} s "
+            f"(x{t['round_speedup']:.1f})"
+        )
+    k = r["kernel"]
+    print(
+        f"\none step of 50 clients: batched layers {k['batched_layers_s'] * 1e3:.0f} ms, "
+        f"bmm+autograd {k['bmm_autograd_s'] * 1e3:.0f} ms, "
+        f"vmap(grad) {k['vmap_grad_s'] * 1e3:.0f} ms"
+    )
+    mech = r["mechanisms"]
+    print(
+        f"\n{'M=100, batched engine':22s} {'round s':>8s} {'uploads s':>10s} "
+        f"{'release many/loop s':>20s}"
+    )
+    for name in ("igpp", "vpp", "vpdr"):
+        key = "vpp" if name == "vpdr" else name
+        rel, loop = mech["release_many_s"][key], mech["release_loop_s"][key]
+        print(
+            f"{name:22s} {mech['round_s'][name]:8.2f} {mech['upload_s'][name]:10.2f} "
+            f"{rel:11.3f} / {loop:.3f}"
+        )
+    print(
+        f"round overhead vs IGPP (best rounds): VPP {mech['vpp_round_overhead']:+.1%}, "
+        f"VPDR {mech['vpdr_round_overhead']:+.1%}; VPDR by median ratio "
+        f"{mech['vpdr_round_overhead_median_ratio']:+.1%}, by its extra upload+training time "
+        f"{mech['vpdr_round_overhead_phases']:+.1%}"
+    )
+    st = mech["privacy_status_unmemoised_s"]
+    print(
+        f"engine's per-client accounting (privacy_status, not memoised): IGPP {st['igpp']:.2f} s, "
+        f"VPDR {st['vpdr']:.2f} s per round"
+    )
+    c = r["cache"]
+    print(
+        f"\ncached vs uncached round: {c['round_cached_s']:.2f} s vs "
+        f"{c['round_uncached_s']:.2f} s (x{c['speedup']:.1f})"
+    )
+    m = r["m1000"]
+    print(
+        f"\n1000 clients x {len(m['rounds'])} rounds FedProto+VPDR: {m['wall_s']:.0f} s "
+        f"(data {m['data_s']:.0f} s, build {m['build_s']:.0f} s, rounds {m['rounds_s']:.0f} s), "
+        f"peak RSS {m['peak_rss_gb']:.2f} GB, avg acc {m['avg_acc']:.3f}"
+    )
+    print("profile of one round (own time):")
+    for line in m["profile_round2"][:8]:
+        print("  " + line)
+
+
+if __name__ == "__main__":
+    main()
