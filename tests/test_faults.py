@@ -294,3 +294,16 @@ def test_nan_features_from_a_backbone_fail(tmp_path: Path, monkeypatch: pytest.M
     )
     with pytest.raises(ValueError, match="non-finite features"):
         run_experiment(toy(1), out=tmp_path)
+
+
+def test_configured_poisoning_client_is_resisted_by_the_median(tmp_path: Path) -> None:
+    base = toy(2, "federation.poison={red: 50.0}")
+    plain = run_experiment(base, out=tmp_path)
+    robust = run_experiment(base.with_overrides(["method.params.aggregation=median"]), out=tmp_path)
+    import torch as _torch
+
+    g_plain = _torch.load(plain.run_dir / "artifacts.pt", weights_only=True)["global_state"]
+    g_robust = _torch.load(robust.run_dir / "artifacts.pt", weights_only=True)["global_state"]
+    assert g_plain["prototypes"].norm() > 5 * g_robust["prototypes"].norm()
+    with pytest.raises(ValueError, match="unknown client"):
+        run_experiment(toy(1, "federation.poison={nobody: 1.0}"), out=tmp_path)

@@ -116,6 +116,7 @@ class FederationConfig:
     dropout: float = 0.0
     checkpoint: bool = True
     execution: str = "sequential"
+    poison: dict[str, float] = field(default_factory=dict)  # client -> scale (robustness tests)
 
     def __post_init__(self) -> None:
         check_range("federation.rounds", self.rounds, low=1)
@@ -128,6 +129,9 @@ class FederationConfig:
         )
         check_range("federation.dropout", self.dropout, low=0.0, high=1.0, high_open=True)
         check_choice("federation.execution", self.execution, ("sequential", "batched"))
+        for client, scale in self.poison.items():
+            if not isinstance(scale, int | float) or isinstance(scale, bool):
+                raise ConfigError(f"federation.poison.{client} must be a number, got {scale!r}")
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -149,6 +149,12 @@ class Simulation:
                     dcr=dcr,
                 )
             )
+        unknown = set(config.federation.poison) - {c.data.name for c in self.clients}
+        if unknown:
+            raise ValueError(
+                f"federation.poison names unknown client(s) {sorted(unknown)}; clients: "
+                + ", ".join(c.data.name for c in self.clients)
+            )
         if self.method.shares_weights and len(self.clients) > 1:
             shapes = {
                 tuple((k, tuple(v.shape)) for k, v in c.model.state_dict().items())
@@ -214,6 +220,11 @@ class Simulation:
                     cluster_fn=cluster_fn,
                 )
                 c.ledger.record(self.round, release)
+                scale = self.config.federation.poison.get(c.data.name)
+                if scale is not None:
+                    # attack simulation (robust-aggregation experiments): after its honest
+                    # release, this client sends its prototypes flipped and scaled
+                    release = replace(release, prototypes=-float(scale) * release.prototypes)
                 k = self.config.run.mia_every
                 if k and (self.round + 1) % k == 0:
                     # the paper's audit (VPDR App. E.6.2) on this very release
