@@ -127,6 +127,8 @@ def test_engine_hooks_match_sequential() -> None:
             "backbone.train_projection": "false",
             "data.holdout_domain": "grey",
             "federation.rounds": "2",
+            "federation.poison": "{red-1: 5.0}",
+            "run.mia_every": "2",
         }
     )
     sim = Simulation(cfg, _data(cfg))
@@ -151,6 +153,9 @@ def test_engine_hooks_match_sequential() -> None:
     assert [r is None for r in sim.releases[-1]] == [r is None for r in twin.releases[-1]]
     for name, stats in sim.last_feature_norms.items():
         assert twin.last_feature_norms[name] == pytest.approx(stats, rel=1e-5)
+    assert sim.last_mia and sim.last_mia.keys() == twin.last_mia.keys()
+    for name, scores in sim.last_mia.items():
+        assert twin.last_mia[name] == pytest.approx(scores, rel=1e-3, abs=1e-3)
     for c, d in zip(sim.clients, twin.clients):
         assert c.ledger.state_dict() == d.ledger.state_dict()
         assert torch.equal(c.noise_gen.get_state(), d.noise_gen.get_state())

@@ -919,15 +919,27 @@ class BatchedTrainer:
 
     def collect_uploads(self, active: Sequence[bool] | None = None) -> list[Any]:
         """:meth:`Simulation.collect_uploads` with batched features and
-        :func:`~protofl.privacy.mechanisms.release_many` (the same uploads, releases, ledger
-        entries, feature-norm diagnostics and ``sim.releases`` row)."""
+        :func:`~protofl.privacy.mechanisms.release_many`: the same uploads, releases, ledger
+        entries, feature-norm and membership-inference diagnostics, poisoned uploads
+        (``federation.poison``) and ``sim.releases`` row.
+
+        The engine may instead keep its own loop and take only the two vectorised steps:
+        ``feats = trainer.features_many(active_clients)`` and ``release_many(...)``.
+        """
+        from dataclasses import replace
+
+        from protofl.engine.simulation import derive_seed
         from protofl.methods.base import Upload
         from protofl.privacy.mechanisms import release_many
 
         sim = self.sim
         chosen = [c for i, c in enumerate(sim.clients) if active is None or active[i]]
         norms: dict[str, Any] = {}
+        mia: dict[str, Any] = {}
         sim.last_feature_norms = norms
+        sim.last_mia = mia
+        poison = getattr(sim.config.federation, "poison", {}) or {}
+        every = int(getattr(sim.config.run, "mia_every", 0) or 0)
         by_client: dict[int, Any] = {}
         if sim.method.uses_prototypes and chosen:
             for c in chosen:
@@ -945,22 +957,38 @@ class BatchedTrainer:
                 clients=[c.data.name for c in chosen],
                 cluster_fn=sim.method.cluster_fn(),
             )
-            for c, r in zip(chosen, releases):
-                c.ledger.record(sim.round, r)
-                by_client[c.data.client] = r
+            for c, f, release in zip(chosen, feats, releases):
+                c.ledger.record(sim.round, release)
+                scale = poison.get(c.data.name)
+                if scale is not None:  # attack simulation, as the engine: flipped and scaled
+                    release = replace(release, prototypes=-float(scale) * release.prototypes)
+                if every and (sim.round + 1) % every == 0:
+                    from protofl.attacks.mia import mia_on_release
+
+                    with torch.no_grad():
+                        test_f = sim.method.upload_features(c.model, c.data.test_z)
+                    mia[c.data.name] = mia_on_release(
+                        f,
+                        c.data.train_y,
+                        test_f,
+                        c.data.test_y,
+                        release,
+                        seed=derive_seed(sim.config.seed, 5, c.data.client, sim.round),
+                    )
+                by_client[c.data.client] = release
         round_releases: list[Any] = []
         uploads = []
         for i, c in enumerate(sim.clients):
             if active is not None and not active[i]:
                 round_releases.append(None)
                 continue
-            release = by_client.get(c.data.client)
-            round_releases.append(release)
+            sent = by_client.get(c.data.client)
+            round_releases.append(sent)
             uploads.append(
                 Upload(
                     client=c.data.client,
                     domain=c.data.domain,
-                    release=release,
+                    release=sent,
                     num_samples=c.data.num_train,
                 )
             )
