@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -156,12 +157,13 @@ class _PrototypeMechanism(Mechanism):
         self._released: dict[str, int] = {}
 
     # --- hooks ------------------------------------------------------------------------------
+    @abstractmethod
     def _unit_std(self, mask_a: torch.Tensor | None) -> torch.Tensor:
         """Per-dimension noise std on a class SUM per unit of (per-example) clip: [d]."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _clip(self, features: torch.Tensor, mask_a: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
+        """Per-example clipping of the release (plain for IGPP, groupwise for VPP)."""
 
     # --- noiseless construction -----------------------------------------------------------
     def _build(
@@ -340,8 +342,9 @@ class _PrototypeMechanism(Mechanism):
             factor = math.sqrt(2.0)  # noisy sum / released (noisy) count
         return factor * float(self._max_unit_std()) / max(int(count), 1)
 
+    @abstractmethod
     def _max_unit_std(self) -> float:
-        raise NotImplementedError
+        """Largest per-dimension entry of ``_unit_std`` over any partition."""
 
     # --- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
