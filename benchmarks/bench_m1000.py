@@ -19,7 +19,8 @@ The configuration (``M1000_OVERRIDES``) is the default one except:
   default 64 px (the training cost after caching is the same: 1280-d features either way);
 * ``privacy.warn_min_count=0``: thousands of tiny clients would log a small-class warning for
   most releases;
-* ``federation.execution=batched``; the engine hooks of ``engine_hooks.py`` are wired.
+* ``federation.execution=batched`` (batched training, uploads and evaluation; frozen
+  parameters pooled; each distinct ledger accounted once).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def main() -> None:
     data = build_federated_data(cfg, protofl_home())
     t_data = time.perf_counter() - t0
     t1 = time.perf_counter()
-    sim = HookedSimulation(cfg, data, share_frozen=True)
+    sim = HookedSimulation(cfg, data)
     t_build = time.perf_counter() - t1
     rounds = []
     profile: list[str] = []

@@ -7,13 +7,13 @@ the engine trains.  Sections:
 * ``train``: one round of local training (FedProto objective with global prototypes), batched
   (``federation.execution: batched``) versus sequential, at M = 20, 100 (default client model and
   the frozen-projection model) and 1000 (frozen projection; sequential timed on every 10th
-  client and scaled by 10), and at M = 1000 one whole round of each engine (sequential: the
-  engine as it is, with memoised accounting; batched: the hooks of ``engine_hooks.py``);
+  client and scaled by 10), and at M = 1000 one whole round of each engine (sequential and
+  ``federation.execution: batched``, whose uploads and evaluation are batched too);
 * ``kernel``: one local step of 50 clients three ways: the trainer's batched layers
   (``torch.bmm``, weight gradients into buffers), plain ``torch.bmm`` + autograd on stacked
   leaves, and ``torch.func.vmap`` of ``grad`` of ``functional_call``;
 * ``mechanisms``: IGPP, VPP and VPDR (VPP + DCR) at M = 100: release time (vectorised
-  ``release_many`` and the per-client loop) and whole-round time with the batched engine hooks
+  ``release_many`` and the per-client loop) and whole-round time with the batched engine
   (overhead over IGPP from the best rounds, the median of paired ratios, and the extra time of
   the phases that differ);
 * ``cache``: one round with cached features versus re-encoding every batch (bench_skeleton);

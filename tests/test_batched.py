@@ -212,12 +212,17 @@ def test_too_many_clients_fail_with_the_partitioner_numbers() -> None:
 def test_frozen_projection_is_shared() -> None:
     cfg = _config(**{"backbone.train_projection": "false", "federation.execution": "batched"})
     sim = Simulation(cfg, _data(cfg))
-    pool = FrozenParameterPool()
-    for c in sim.clients:
-        pool.share(c.model)
+    # the engine pools identical frozen parameters as it builds the clients
     first = sim.clients[0].model.proj.weight
     assert all(c.model.proj.weight is first for c in sim.clients)
-    assert pool.shared_bytes == (len(sim.clients) - 1) * (first.numel() + 32) * 4
+    assert sim.frozen_pool.shared_bytes == (len(sim.clients) - 1) * (first.numel() + 32) * 4
+    # trainable parameters stay per client
+    heads = {id(c.model.head.weight) for c in sim.clients}
+    assert len(heads) == len(sim.clients)
+    pool = FrozenParameterPool()  # pooling again finds nothing left to share
+    for c in sim.clients:
+        pool.share(c.model)
+    assert pool.shared_bytes == 0
     sim.run(rounds=1)  # trains, evaluates, releases with the shared tensor
     assert all(c.model.proj.weight is first for c in sim.clients)
 
@@ -300,3 +305,50 @@ def test_float16_cached_features_train_and_evaluate_batched() -> None:
         sim.history_acc = trainer.evaluate()  # type: ignore[attr-defined]
     a, b = full.history_acc, half.history_acc  # type: ignore[attr-defined]
     assert abs(sum(a.values()) - sum(b.values())) / len(a) < 0.05
+
+
+def test_privacy_status_accounts_each_distinct_ledger_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from protofl.privacy import accounting
+
+    cfg = _config(**{"privacy.mechanism": "igpp", "federation.rounds": "1"})
+    sim = Simulation(cfg, _data(cfg))
+    calls: list[int] = []
+    real = accounting.epsilon_spent
+
+    def counting(events: list[dict[str, object]], **kw: object) -> float:
+        calls.append(len(events))
+        return real(events, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(accounting, "epsilon_spent", counting)
+    sim.run_round()
+    eps = sim.history[-1].privacy["epsilon_spent"]
+    # every client made the same kind of release (same sigma, same sensitivity): one composition
+    assert len(set(eps.values())) == 1 and len(calls) == 1
+    fresh = {c.data.name: real(c.ledger.events(), delta=c.ledger.delta) for c in sim.clients}
+    assert eps == pytest.approx(fresh)
+    # a client whose ledger differs (it sat out a round) is accounted on its own
+    sim.clients[0].ledger.entries.pop()
+    sim.clients[0].ledger._cache = None
+    status = sim.privacy_status()
+    assert status["epsilon_spent"][sim.clients[0].data.name] == 0.0
+    assert status["epsilon_spent"][sim.clients[1].data.name] == eps[sim.clients[1].data.name]
+
+
+def test_batched_engine_uses_the_batched_uploads_and_evaluation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seq, bat = _pair(**{"privacy.mechanism": "vpp", "data.holdout_domain": "grey"})
+    used: list[str] = []
+    for name in ("collect_uploads", "evaluate", "evaluate_holdout"):
+        real = getattr(BatchedTrainer, name)
+
+        def spy(self: BatchedTrainer, *a: object, _real: object = real, _n: str = name) -> object:
+            used.append(_n)
+            return _real(self, *a)  # type: ignore[operator]
+
+        monkeypatch.setattr(BatchedTrainer, name, spy)
+    hs, hb = seq.run(), bat.run()
+    assert set(used) == {"collect_uploads", "evaluate", "evaluate_holdout"}
+    assert [h.client_acc for h in hs] == [h.client_acc for h in hb]
+    assert [h.holdout_acc for h in hs] == pytest.approx([h.holdout_acc for h in hb])
+    assert [h.privacy for h in hs] == [h.privacy for h in hb]

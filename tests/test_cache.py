@@ -60,3 +60,97 @@ def test_efficientnet_lite0_features_are_deterministic() -> None:
     assert torch.equal(a, b)
     assert torch.isfinite(a).all()
     assert backbone.cache_key.startswith("efficientnet_lite0-")
+
+
+def _mapped_files(ptr: int) -> list[str]:
+    """The files whose memory mapping holds address ``ptr`` (from /proc/self/maps)."""
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split()
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= ptr < hi and len(parts) >= 6:
+            out.append(parts[5])
+    return out
+
+
+needs_proc = pytest.mark.skipif(
+    not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps"
+)
+
+
+@needs_proc
+def test_cached_features_are_memory_mapped_and_clients_share_them(tmp_path: Path) -> None:
+    from protofl.config import ExperimentConfig
+    from protofl.engine.federated_data import build_federated_data
+
+    def build(*extra: str) -> object:
+        over = ["data.name=toy", "backbone.name=pixels", "backbone.image_size=8", *extra]
+        return build_federated_data(ExperimentConfig().with_overrides(over), tmp_path)
+
+    data = build()
+    for c in data.clients:  # type: ignore[attr-defined]
+        for z in (c.train_z, c.test_z):
+            files = _mapped_files(z.data_ptr())
+            assert files and files[0].endswith(".npy"), files
+            assert "/features/" in files[0]
+    # the same data again (a second run or sweep worker) maps the same files, computes nothing
+    again = build()
+    first, second = data.clients[0], again.clients[0]  # type: ignore[attr-defined]
+    assert torch.equal(first.train_z, second.train_z)
+    assert _mapped_files(first.train_z.data_ptr()) == _mapped_files(second.train_z.data_ptr())
+    # several clients per domain: contiguous shards stay views of the mapped file
+    shared = build("data.clients_per_domain=3", "data.partition=domain")
+    assert all(
+        _mapped_files(c.test_z.data_ptr())
+        for c in shared.clients  # type: ignore[attr-defined]
+    )
+
+
+def test_float16_features_halve_memory_and_train(tmp_path: Path) -> None:
+    from protofl.config import ConfigError, ExperimentConfig
+    from protofl.engine.runner import run_experiment
+
+    base = [
+        "data.name=toy",
+        "backbone.name=pixels",
+        "backbone.image_size=8",
+        "federation.rounds=3",
+        "run.progress=false",
+    ]
+    backbone = create_backbone("pixels", 8)
+    images = np.random.default_rng(0).integers(0, 255, (6, 8, 8, 3), dtype=np.uint8)
+    full = cached_features(tmp_path, backbone, "toy", "red", "train", images)
+    half = cached_features(tmp_path, backbone, "toy", "red", "train", images, dtype="float16")
+    assert full.dtype == torch.float32 and half.dtype == torch.float16
+    assert half.element_size() * half.numel() * 2 == full.element_size() * full.numel()
+    assert torch.allclose(half.float(), full, rtol=1e-3, atol=1e-3)
+    path = feature_cache_path(tmp_path, backbone, "toy", "red", "train", images)
+    assert path.with_name(path.name.replace(".npy", ".f16.npy")).exists()
+    with pytest.raises(ValueError, match="feature dtype 'int8'"):
+        cached_features(tmp_path, backbone, "toy", "red", "train", images, dtype="int8")
+    with pytest.raises(ConfigError, match=r"backbone\.feature_dtype"):
+        ExperimentConfig().with_overrides(["backbone.feature_dtype=float64"])
+    # a whole run (sequential and batched) on float16 features lands near the float32 one
+    runs = {}
+    for name, extra in {
+        "f32": [],
+        "f16": ["backbone.feature_dtype=float16"],
+        "f16b": ["backbone.feature_dtype=float16", "federation.execution=batched"],
+    }.items():
+        cfg = ExperimentConfig().with_overrides(base + extra)
+        res = run_experiment(cfg, out=tmp_path / name, home=tmp_path, progress=False)
+        runs[name] = res.summary["avg_acc"]
+    assert abs(runs["f16"] - runs["f32"]) < 0.05
+    assert abs(runs["f16b"] - runs["f16"]) < 0.02
+
+
+def test_npz_feature_caches_of_earlier_versions_are_converted(tmp_path: Path) -> None:
+    backbone = create_backbone("pixels", 8)
+    images = np.random.default_rng(1).integers(0, 255, (5, 8, 8, 3), dtype=np.uint8)
+    path = feature_cache_path(tmp_path, backbone, "toy", "red", "train", images)
+    path.parent.mkdir(parents=True)
+    old = np.full((5, 256), 7.0, dtype=np.float32)  # not what the backbone computes
+    save_arrays(path.with_suffix(".npz"), features=old)
+    got = cached_features(tmp_path, backbone, "toy", "red", "train", images)
+    assert torch.equal(got, torch.from_numpy(old))  # read, not recomputed
+    assert path.exists() and verify_checksum(path)

@@ -95,9 +95,11 @@ class BackboneConfig:
     train_projection: bool = True
     head: str = "linear"
     feature_cache: bool = True
+    feature_dtype: str = "float32"  # float16: cached features held at half the memory
 
     def __post_init__(self) -> None:
         check_range("backbone.image_size", self.image_size, low=8, high=512)
+        check_choice("backbone.feature_dtype", self.feature_dtype, ("float32", "float16"))
         check_range("backbone.proto_dim", self.proto_dim, low=2)
         check_range("backbone.adapter_hidden", self.adapter_hidden, low=1)
         check_choice("backbone.head", self.head, ("linear", "mlp"))

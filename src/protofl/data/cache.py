@@ -105,6 +105,35 @@ def save_arrays(path: Path, **arrays: np.ndarray) -> str:
     return record_checksum(path, hashlib.sha256(data).hexdigest())
 
 
+def save_array(path: Path, array: np.ndarray) -> str:
+    """Atomically save one array as an ``.npy`` (memory-mappable) and record its checksum."""
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
+    data = buf.getvalue()
+    atomic_write_bytes(path, data)
+    return record_checksum(path, hashlib.sha256(data).hexdigest())
+
+
+def map_array(path: Path) -> np.ndarray | None:
+    """Memory-map a checksummed ``.npy`` copy-on-write; None (with a log line) when missing or
+    corrupt.
+
+    The pages are the operating system's file cache: every client, and every process mapping
+    the same file (parallel sweep workers), reads one copy.  Copy-on-write (``mode="c"``) keeps
+    the array writable for torch while a write (none is made) would stay private.
+    """
+    if not path.exists():
+        return None
+    if not verify_checksum(path):
+        log.warning("cached file %s fails its checksum; rebuilding it", path)
+        return None
+    try:
+        return np.load(path, mmap_mode="c", allow_pickle=False)  # type: ignore[no-any-return]
+    except (OSError, ValueError) as exc:
+        log.warning("cached file %s is unreadable (%s); rebuilding it", path, exc)
+        return None
+
+
 def load_arrays(path: Path) -> dict[str, np.ndarray] | None:
     """Load a checksummed ``.npz``; None (with a log line) when missing or corrupt."""
     if not path.exists():

@@ -966,7 +966,7 @@ class BatchedTrainer:
                     from protofl.attacks.mia import mia_on_release
 
                     with torch.no_grad():
-                        test_f = sim.method.upload_features(c.model, c.data.test_z)
+                        test_f = sim.method.upload_features(c.model, c.data.test_z.float())
                     mia[c.data.name] = mia_on_release(
                         f,
                         c.data.train_y,

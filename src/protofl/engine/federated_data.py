@@ -115,6 +115,14 @@ def client_counts(config: ExperimentConfig, dataset: str, domains: list[str]) ->
     return dict(resolve_allocation(spec, domains, config.data.clients_per_domain, dataset))
 
 
+def _rows(z: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+    """``z[idx]``, as a view (no copy: it shares the memory-mapped cache) when ``idx`` is a
+    contiguous ascending range, else a copy of those rows."""
+    if len(idx) and np.array_equal(idx, np.arange(idx[0], idx[0] + len(idx))):
+        return z[int(idx[0]) : int(idx[0]) + len(idx)]
+    return z[torch.from_numpy(np.asarray(idx, dtype=np.int64))]
+
+
 def build_federated_data(
     config: ExperimentConfig,
     home: Path,
@@ -141,7 +149,10 @@ def build_federated_data(
     per_client_fraction = preset.get("fraction_unit") == "client"
     rng = np.random.default_rng(np.random.SeedSequence([config.seed, 0xDA7A]))
     clients: list[ClientData] = []
-    use_cache = config.backbone.feature_cache
+    cache_opts: dict[str, Any] = {
+        "use_cache": config.backbone.feature_cache,
+        "dtype": config.backbone.feature_dtype,
+    }
     for d_index, dom in enumerate(domains):
         if len(dom.train) == 0 or len(dom.test) == 0:
             raise ValueError(f"data set {dataset.name!r}: domain {dom.name!r} has an empty split")
@@ -165,10 +176,10 @@ def build_federated_data(
         train_images = dom.train.images[train_idx]
         test_images = dom.test.images[test_idx]
         train_z = cached_features(
-            home, backbone, dataset.name, dom.name, "train", train_images, use_cache=use_cache
+            home, backbone, dataset.name, dom.name, "train", train_images, **cache_opts
         )
         test_z = cached_features(
-            home, backbone, dataset.name, dom.name, "test", test_images, use_cache=use_cache
+            home, backbone, dataset.name, dom.name, "test", test_images, **cache_opts
         )
         train_y_all = dom.train.labels[train_idx].astype(np.int64)
         test_y = torch.from_numpy(dom.test.labels[test_idx].astype(np.int64))
@@ -199,7 +210,7 @@ def build_federated_data(
                     name=dom.name if k == 1 else f"{dom.name}-{j}",
                     domain=d_index,
                     domain_name=dom.name,
-                    train_z=train_z[shard],
+                    train_z=_rows(train_z, shard),
                     train_y=torch.from_numpy(train_y_all[shard]),
                     test_z=test_z,
                     test_y=test_y,
@@ -226,7 +237,7 @@ def build_federated_data(
             holdout.name,
             "test",
             holdout.test.images[h_idx],
-            use_cache=use_cache,
+            **cache_opts,
         )
         holdout_data = (
             holdout.name,

@@ -128,13 +128,52 @@ def _read_yaml(path: Path, what: str) -> Any:
         raise ConfigError(f"{what} {path} is not valid YAML: {exc}") from None
 
 
-def load_sweep(path: str | Path) -> SweepPlan:
-    """Read a sweep file and validate every grid point (nothing runs)."""
+def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> SweepPlan:
+    """Read a sweep file and validate every grid point (nothing runs).
+
+    ``overrides`` are ``key=value`` strings (``protofl sweep --set``): a key that is a grid axis
+    replaces that axis's values (``seed=[1, 2]`` runs only those seeds); any other key is set in
+    the base config (``federation.checkpoint=false``).
+    """
     path = Path(path)
     data = _read_yaml(path, "sweep file")
     if not isinstance(data, Mapping):
         raise ConfigError(f"sweep file {path} must hold a mapping with base: and grid:")
+    if overrides:
+        data = apply_sweep_overrides(data, overrides, source=str(path), base_dir=path.parent)
     return plan_sweep(data, source=str(path), base_dir=path.parent, default_name=path.stem)
+
+
+def apply_sweep_overrides(
+    data: Mapping[str, Any],
+    overrides: Sequence[str],
+    *,
+    source: str = "sweep",
+    base_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Return a copy of a sweep mapping with ``key=value`` overrides applied (see load_sweep)."""
+    out = dict(data)
+    base = json.loads(json.dumps(_resolve_base(data.get("base"), source, base_dir)))
+    grid_raw = data.get("grid") or {}
+    grid = dict(grid_raw) if isinstance(grid_raw, Mapping) else grid_raw
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r} must look like key=value")
+        key, raw = (part.strip() for part in item.split("=", 1))
+        try:
+            value = yaml.safe_load(raw) if raw else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {key}: {raw!r} is not valid YAML: {exc}") from None
+        if isinstance(grid, dict) and key in grid:
+            grid[key] = value if isinstance(value, list) else [value]
+        else:
+            try:
+                set_dotted(base, key, value)
+            except ConfigError as exc:
+                raise ConfigError(f"--set {key}: {exc}") from None
+    out["base"] = base
+    out["grid"] = grid
+    return out
 
 
 def plan_sweep(

@@ -36,7 +36,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """Validate the grid, run what is not complete, print the summary (exit 1 if runs failed)."""
     from protofl.engine.sweep import format_sweep_result, load_sweep, run_sweep
 
-    plan = load_sweep(args.sweep_file)
+    plan = load_sweep(args.sweep_file, args.set or ())
     sweep_dir = Path(args.out) if args.out else plan.default_dir()
     if args.dry_run:
         from protofl.engine.sweep import run_is_done
@@ -181,6 +181,13 @@ def add_report_parsers(subparsers: Any) -> None:
         "-j", "--jobs", type=int, help="worker processes (default: the number of cores)"
     )
     sw.add_argument("--out", help="sweep folder (default: <base run.out_dir>/<sweep name>)")
+    sw.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="replace a grid axis (seed=[1,2]) or set a base config key "
+        "(federation.checkpoint=false); repeatable",
+    )
     sw.add_argument("--quiet", action="store_true", help="no progress display")
     sw.add_argument(
         "--dry-run", action="store_true", help="validate every point and list them; run nothing"

@@ -300,7 +300,7 @@ def client_features(
         z, y = (cd.test_z, cd.test_y) if split == "test" else (cd.train_z, cd.train_y)
         idx = np.sort(rng.choice(len(y), min(per_client, len(y)), replace=False))
         with torch.no_grad():
-            f = method.upload_features(model, z[torch.from_numpy(idx)])  # type: ignore[arg-type]
+            f = method.upload_features(model, z[torch.from_numpy(idx)].float())  # type: ignore[arg-type]
         feats.append(f.float().numpy())
         labels.append(y[torch.from_numpy(idx)].numpy())
         domains.append(np.full(len(idx), cd.domain))

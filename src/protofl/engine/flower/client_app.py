@@ -164,7 +164,7 @@ def evaluate_client(sim: Simulation, c: Client) -> float:
     c.model.eval()
     correct = 0
     for start in range(0, len(c.data.test_y), EVAL_BATCH):
-        z = c.data.test_z[start : start + EVAL_BATCH]
+        z = c.data.test_z[start : start + EVAL_BATCH].float()
         y = c.data.test_y[start : start + EVAL_BATCH]
         pred = sim.method.predict(c.model, z, sim.global_state, c.state)
         correct += int((pred == y).sum())
@@ -180,7 +180,8 @@ def evaluate_client_holdout(sim: Simulation, c: Client) -> float | None:
     c.model.eval()
     correct = 0
     for start in range(0, len(y), EVAL_BATCH):
-        pred = sim.method.predict(c.model, z[start : start + EVAL_BATCH], sim.global_state, c.state)
+        zz = z[start : start + EVAL_BATCH].float()
+        pred = sim.method.predict(c.model, zz, sim.global_state, c.state)
         correct += int((pred == y[start : start + EVAL_BATCH]).sum())
     return correct / max(len(y), 1)
 
