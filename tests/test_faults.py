@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protofl.config import ExperimentConfig
+from protofl.config import ConfigError, ExperimentConfig
 from protofl.engine.checkpoint import CheckpointError, load_latest_checkpoint
 from protofl.engine.runner import resume_experiment, run_experiment
 from protofl.methods import create_method
@@ -307,3 +307,33 @@ def test_configured_poisoning_client_is_resisted_by_the_median(tmp_path: Path) -
     assert g_plain["prototypes"].norm() > 5 * g_robust["prototypes"].norm()
     with pytest.raises(ValueError, match="unknown client"):
         run_experiment(toy(1, "federation.poison={nobody: 1.0}"), out=tmp_path)
+
+
+def test_checkpoint_every_k_rounds_resumes_identically(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from protofl.engine import simulation
+
+    cfg = toy(5, "privacy.mechanism=igpp", "privacy.epsilon=4", "federation.checkpoint_every=2")
+    full = run_experiment(cfg, out=tmp_path / "a")
+    saved = sorted(p.name for p in next((tmp_path / "a").iterdir()).glob("checkpoint-*.pt"))
+    assert saved == ["checkpoint-0004.pt", "checkpoint-0005.pt"]  # every 2nd and the last
+    original = simulation.Simulation.run_round
+
+    def interrupted(self: simulation.Simulation) -> simulation.RoundMetrics:
+        if self.round == 3:
+            raise KeyboardInterrupt  # in round 4: the last checkpoint is round 2
+        return original(self)
+
+    monkeypatch.setattr(simulation.Simulation, "run_round", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(cfg, out=tmp_path / "b")
+    monkeypatch.setattr(simulation.Simulation, "run_round", original)
+    run_dir = next((tmp_path / "b").iterdir())
+    assert [p.name for p in run_dir.glob("checkpoint-*.pt")] == ["checkpoint-0002.pt"]
+    resumed = resume_experiment(run_dir)  # redoes round 3, then 4 and 5
+    assert comparable(resumed.summary) == comparable(full.summary)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["round"] for x in lines] == [1, 2, 3, 4, 5]
+    with pytest.raises(ConfigError, match=r"federation\.checkpoint_every"):
+        toy(2, "federation.checkpoint_every=0")

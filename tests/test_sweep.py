@@ -62,6 +62,28 @@ def test_base_may_be_a_config_file_next_to_the_sweep(tmp_path: Path) -> None:
     assert plan.points[1].config.data.name == "toy"
 
 
+def test_set_replaces_a_grid_axis_or_sets_a_base_key(tmp_path: Path) -> None:
+    path = _sweep_file(tmp_path, {"method.name": ["fedproto", "local"], "seed": [0, 1, 2]})
+    plan = load_sweep(path, ["seed=[1, 2]", "federation.checkpoint=false", "seed=[2]"])
+    assert [p.overrides for p in plan.points] == [
+        {"method.name": "fedproto", "seed": 2},
+        {"method.name": "local", "seed": 2},
+    ]
+    assert all(not p.config.federation.checkpoint for p in plan.points)
+    assert load_sweep(path, ["seed=1"]).grid["seed"] == [1]  # a scalar is a one-value axis
+    with pytest.raises(ConfigError, match=r"federation\.chekpoint"):
+        load_sweep(path, ["federation.chekpoint=false"])
+    with pytest.raises(ConfigError, match="must look like key=value"):
+        load_sweep(path, ["seed"])
+    # the command line: --set on `protofl sweep --dry-run`
+    parser = argparse.ArgumentParser()
+    add_report_parsers(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        ["sweep", str(path), "--set", "seed=[0]", "--dry-run", "--out", str(tmp_path / "o")]
+    )
+    assert args.func(args) == 0
+
+
 def _stop_after_first_round(run_dir: Path) -> None:
     """Make a finished 2-round run look like one killed after round 1."""
     (run_dir / "summary.json").unlink()

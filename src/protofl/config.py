@@ -117,12 +117,14 @@ class FederationConfig:
     participation: float = 1.0
     dropout: float = 0.0
     checkpoint: bool = True
+    checkpoint_every: int = 1  # save after every k-th round (and the last); resume redoes <k
     execution: str = "sequential"
     poison: dict[str, float] = field(default_factory=dict)  # client -> scale (robustness tests)
 
     def __post_init__(self) -> None:
         check_range("federation.rounds", self.rounds, low=1)
         check_range("federation.local_epochs", self.local_epochs, low=1)
+        check_range("federation.checkpoint_every", self.checkpoint_every, low=1)
         check_range("federation.batch_size", self.batch_size, low=1)
         check_range("federation.lr", self.lr, low=0.0, low_open=True)
         check_range("federation.weight_decay", self.weight_decay, low=0.0)

@@ -156,7 +156,8 @@ def _execute(
                 tensorboard.log_round(m)
             with open(metrics_path, "a") as fh:
                 fh.write(json.dumps(m.to_json()) + "\n")
-            if config.federation.checkpoint:
+            fed = config.federation
+            if fed.checkpoint and (m.round % fed.checkpoint_every == 0 or m.round == fed.rounds):
                 save_checkpoint(run_dir, m.round, sim.state_dict())
             log.info(
                 "round %d: avg %.4f std %.4f loss %.4f", m.round, m.avg_acc, m.std_acc, m.train_loss
