@@ -57,25 +57,33 @@ def release(protos: torch.Tensor, classes: list[int], counts: list[int]) -> Rele
 
 
 # ----- checkpoint and resume ------------------------------------------------------------------
-def test_resume_after_stop_gives_identical_summary(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def run_stopped_in_round(
+    cfg: ExperimentConfig, stop: int, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """Run ``cfg`` into ``out`` as if the user pressed Ctrl-C in round ``stop``; its folder."""
     from protofl.engine import simulation
 
-    cfg = toy(4, "privacy.mechanism=igpp", "privacy.epsilon=4")
-    full = run_experiment(cfg, out=tmp_path / "a")
     original = simulation.Simulation.run_round
 
     def interrupted(self: simulation.Simulation) -> simulation.RoundMetrics:
-        if self.round == 2:
-            raise KeyboardInterrupt  # as if the user pressed Ctrl-C in round 3
+        if self.round == stop - 1:
+            raise KeyboardInterrupt
         return original(self)
 
-    monkeypatch.setattr(simulation.Simulation, "run_round", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        run_experiment(cfg, out=tmp_path / "b")
-    monkeypatch.setattr(simulation.Simulation, "run_round", original)
-    run_dir = next((tmp_path / "b").iterdir())
+    with monkeypatch.context() as patch:
+        patch.setattr(simulation.Simulation, "run_round", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            run_experiment(cfg, out=out)
+    return next(out.iterdir())
+
+
+def test_resume_after_stop_gives_identical_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+
+    cfg = toy(4, "privacy.mechanism=igpp", "privacy.epsilon=4")
+    full = run_experiment(cfg, out=tmp_path / "a")
+    run_dir = run_stopped_in_round(cfg, 3, tmp_path / "b", monkeypatch)
     resumed = resume_experiment(run_dir)
     assert comparable(resumed.summary) == comparable(full.summary)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -312,24 +320,12 @@ def test_configured_poisoning_client_is_resisted_by_the_median(tmp_path: Path) -
 def test_checkpoint_every_k_rounds_resumes_identically(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from protofl.engine import simulation
 
     cfg = toy(5, "privacy.mechanism=igpp", "privacy.epsilon=4", "federation.checkpoint_every=2")
     full = run_experiment(cfg, out=tmp_path / "a")
     saved = sorted(p.name for p in next((tmp_path / "a").iterdir()).glob("checkpoint-*.pt"))
     assert saved == ["checkpoint-0004.pt", "checkpoint-0005.pt"]  # every 2nd and the last
-    original = simulation.Simulation.run_round
-
-    def interrupted(self: simulation.Simulation) -> simulation.RoundMetrics:
-        if self.round == 3:
-            raise KeyboardInterrupt  # in round 4: the last checkpoint is round 2
-        return original(self)
-
-    monkeypatch.setattr(simulation.Simulation, "run_round", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        run_experiment(cfg, out=tmp_path / "b")
-    monkeypatch.setattr(simulation.Simulation, "run_round", original)
-    run_dir = next((tmp_path / "b").iterdir())
+    run_dir = run_stopped_in_round(cfg, 4, tmp_path / "b", monkeypatch)
     assert [p.name for p in run_dir.glob("checkpoint-*.pt")] == ["checkpoint-0002.pt"]
     resumed = resume_experiment(run_dir)  # redoes round 3, then 4 and 5
     assert comparable(resumed.summary) == comparable(full.summary)
