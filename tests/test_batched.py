@@ -87,6 +87,12 @@ CASES = {
         "federation.participation": "0.5",
         "privacy.mechanism": "vpp",
     },
+    "fedavg": {"method.name": "fedavg"},
+    "fedprox-partial": {
+        "method.name": "fedprox",
+        "method.params.mu": "0.5",
+        "federation.participation": "0.5",
+    },
     "fedtgp-igpp": {
         "method.name": "fedtgp",
         "method.params.budget": "reference",
@@ -182,10 +188,10 @@ def test_checkpoint_resume_in_batched_mode() -> None:
 
 
 def test_unsupported_method_falls_back(caplog: pytest.LogCaptureFixture) -> None:
-    seq, bat = _pair(**{"method.name": "fedavg", "federation.rounds": "2"})
+    seq, bat = _pair(**{"method.name": "moon", "federation.rounds": "2"})
     with caplog.at_level(logging.INFO, logger="protofl.engine.batched"):
         hb = bat.run()
-    assert "method fedavg cannot batch; falling back to sequential" in caplog.text
+    assert "method moon cannot batch; falling back to sequential" in caplog.text
     assert not bat.batched.supported
     assert [h.client_acc for h in seq.run()] == [h.client_acc for h in hb]
 

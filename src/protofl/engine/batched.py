@@ -10,9 +10,12 @@ Semantics are those of :meth:`Simulation.train_client`, client by client:
 
 * every client draws ``local_epochs`` permutations from its own ``train_gen`` (the same calls in
   the same order as the sequential mode) and walks them in batches of ``batch_size``;
-* the objective is the method's (``local``: cross-entropy; ``fedproto`` / ``fedtgp``:
-  cross-entropy + ``lam`` * MSE to the global prototype of the sample's class over the samples
-  whose class has one), plus DCR's soft clip and EMA-teacher distillation when DCR is on;
+* the objective is the method's (``local``, ``fedavg``: cross-entropy; ``fedproto`` /
+  ``fedtgp``: cross-entropy + ``lam`` * MSE to the global prototype of the sample's class over
+  the samples whose class has one; ``fedprox``: cross-entropy + ``mu``/2 * ||w - w_global||^2,
+  its gradient added in closed form), plus DCR's soft clip and EMA-teacher distillation when
+  DCR is on; the engine averages ``fedavg``/``fedprox`` weights after training, as
+  sequentially;
 * each client's AdamW (its own ``lr``, betas, eps, weight decay, step count and moments) is
   applied with torch's fused AdamW kernel (the kernel ``torch.optim.AdamW(fused=True)`` runs:
   the same update formula, decoupled weight decay and bias correction as the default
@@ -72,11 +75,18 @@ DEFAULT_MEMORY_BUDGET = 256 * 2**20
 # what can be batched
 # --------------------------------------------------------------------------------------------
 def batchable_objective(method: Method) -> tuple[str, float] | None:
-    """``("ce", 0)`` or ``("proto", lam)`` for a method whose local objective is batched here;
-    None otherwise.  Exact types only, so a subclass that changes the objective is not taken."""
+    """``("ce", 0)``, ``("proto", lam)`` or ``("prox", mu)`` for a method whose local objective
+    is batched here; None otherwise.  Exact types only, so a subclass that changes the objective
+    is not taken.
+
+    ``ce``: cross-entropy (``local``; ``fedavg``, whose weight averaging the engine does after
+    training); ``proto``: cross-entropy + ``lam`` * MSE to the global prototypes (``fedproto``,
+    ``fedtgp``); ``prox``: cross-entropy + ``mu``/2 * ||w - w_global||^2 (``fedprox``).
+    """
+    from protofl.methods.baselines import FedAvg, FedProx
     from protofl.methods.fedproto import FedProto, Local
 
-    kinds: dict[type, str] = {Local: "ce", FedProto: "proto"}
+    kinds: dict[type, str] = {Local: "ce", FedAvg: "ce", FedProto: "proto", FedProx: "prox"}
     try:
         from protofl.methods.fedtgp import FedTGP
     except ImportError:  # pragma: no cover - the method zoo is optional here
@@ -88,6 +98,8 @@ def batchable_objective(method: Method) -> tuple[str, float] | None:
         return None
     if kind == "ce":
         return "ce", 0.0
+    if kind == "prox":
+        return "prox", float(method.params["mu"])
     return "proto", float(method.params["lam"])
 
 
@@ -666,6 +678,15 @@ class BatchedTrainer:
         dcr = clients[0].dcr
         dcr_steps = torch.tensor([c.dcr.steps for c in clients]) if dcr is not None else None
         table, has = self._targets(sim.global_state) if kind == "proto" else (None, None)
+        anchor: dict[str, torch.Tensor] = {}
+        if kind == "prox" and lam != 0:
+            # FedProx's w_global: the snapshot its begin_local took of each client's weights
+            from protofl.methods.baselines import FedProx
+
+            anchor = {
+                n: torch.stack([c.state.tensors[FedProx.PREFIX + n] for c in clients])
+                for n in self.names
+            }
 
         loss_sum = torch.zeros(m, dtype=torch.float64)
         for s in range(group.steps[0]):
@@ -710,6 +731,13 @@ class BatchedTrainer:
                         loss = loss + torch.where(kd_on, kd, torch.zeros_like(kd))
                 losses.append(loss)
             loss = torch.cat(losses) if len(losses) > 1 else losses[0]
+            if anchor:
+                with torch.no_grad():  # its gradient is added below, in closed form
+                    prox = sum(
+                        (params[n][:k] - anchor[n][:k]).pow(2).flatten(1).sum(dim=1)
+                        for n in self.names
+                    )
+                loss = loss + 0.5 * lam * prox
             if not bool(torch.isfinite(loss).all()):
                 bad = int((~torch.isfinite(loss)).nonzero()[0, 0])
                 raise FloatingPointError(
@@ -718,6 +746,8 @@ class BatchedTrainer:
                 )
             loss.sum().backward()
             with torch.no_grad():
+                for n in anchor:  # d/dw of mu/2 ||w - w_global||^2
+                    grads[n][:k].add_(params[n][:k] - anchor[n][:k], alpha=lam)
                 for n in self.names:
                     opt_step[n][:k] += 1
                 self._adamw(params, grads, exp_avg, exp_avg_sq, opt_step, k)
