@@ -330,6 +330,57 @@ def cache(per_domain: int) -> dict[str, float]:
     return {"round_cached_s": cached, "round_uncached_s": uncached, "speedup": uncached / cached}
 
 
+def roofline(m: int = 100) -> dict[str, Any]:
+    """What bounds one round of batched training at M = ``m`` (default model): its arithmetic
+    (GFLOP of the adapter, projection and head, forward and backward) at the rate ``torch.bmm``
+    reaches on projection-shaped products, plus its AdamW memory traffic at the rate the fused
+    kernel reaches; with one and two intra-op threads."""
+    cfg = config(f"data.clients_per_domain={m // 4}")
+    data = data_for(cfg)
+    n = sum(c.num_train for c in data.clients)
+    d_in, d, hidden = data.feature_dim, cfg.backbone.proto_dim, cfg.backbone.adapter_hidden
+    k = data.num_classes
+    macs = 3 * (d_in * d + 2 * d_in * hidden + d * k)  # forward, input and weight gradients
+    gflop = 2 * macs * n / 1e9
+    params = d_in * d + d + 2 * d_in * hidden + d * k + k
+    bs = cfg.federation.batch_size
+    steps = sum(-(-c.num_train // bs) for c in data.clients) / len(data.clients)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(m, bs, d_in, generator=g)
+    w = torch.randn(m, d, d_in, generator=g)
+    flat = m * params
+    p, gr, mo, v = (torch.rand(flat, generator=g) for _ in range(4))
+    step_t = torch.tensor(1.0)
+
+    def adamw() -> None:
+        torch._fused_adamw_(
+            [p], [gr], [mo], [v], [], [step_t], lr=1e-3, beta1=0.9, beta2=0.999,
+            weight_decay=1e-5, eps=1e-8, amsgrad=False, maximize=False,
+        )  # fmt: skip
+
+    out: dict[str, Any] = {
+        "clients": m,
+        "train_samples": n,
+        "gflop_per_round": gflop,
+        "adamw_params": flat,
+        "adamw_steps_per_client": steps,
+    }
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            torch.bmm(a, w.transpose(1, 2))
+            t = min(timed(lambda: torch.bmm(a, w.transpose(1, 2))) for _ in range(5))
+            rate = 2 * m * bs * d_in * d / t / 1e9
+            adamw()
+            t_adam = min(timed(adamw) for _ in range(3))
+            out[f"bmm_gflops_{threads}thread"] = rate
+            out[f"adamw_step_s_{threads}thread"] = t_adam
+            out[f"floor_s_{threads}thread"] = gflop / rate + steps * t_adam
+    finally:
+        torch.set_num_threads(1)
+    return out
+
+
 def m1000(rounds: int) -> dict[str, Any]:
     """The 1000-client run, in its own process (its own peak RSS)."""
     out = subprocess.run(
@@ -374,6 +425,7 @@ def main() -> None:
     _DATA.clear()
     results["train"] = train
     results["kernel"] = step("kernel", kernel_step)
+    results["roofline"] = step("roofline", roofline)
     results["mechanisms"] = step(
         "mechanisms", lambda: mechanisms(100, rounds=3 if args.quick else 6)
     )
@@ -385,6 +437,8 @@ def main() -> None:
     results.update(
         {
             "batched_speedup_m100": train["m100_default"]["speedup"],
+            "batched_floor_speedup_m100": train["m100_default"]["sequential_s"]
+            / results["roofline"]["floor_s_1thread"],
             "batched_speedup_m100_frozen_proj": train["m100_frozen_proj"]["speedup"],
             "batched_speedup_m1000": train["m1000_frozen_proj"]["speedup"],
             "round_speedup_m1000": train["m1000_frozen_proj"].get("round_speedup"),
@@ -426,6 +480,15 @@ def print_table(r: dict[str, Any]) -> None:
         f"\none step of 50 clients: batched layers {k['batched_layers_s'] * 1e3:.0f} ms, "
         f"bmm+autograd {k['bmm_autograd_s'] * 1e3:.0f} ms, "
         f"vmap(grad) {k['vmap_grad_s'] * 1e3:.0f} ms"
+    )
+    rl = r["roofline"]
+    print(
+        f"\nroofline at M={rl['clients']}: {rl['gflop_per_round']:.1f} GFLOP per round at "
+        f"{rl['bmm_gflops_1thread']:.0f} GFLOP/s (bmm, 1 thread; "
+        f"{rl['bmm_gflops_2thread']:.0f} on 2) + {rl['adamw_steps_per_client']:.1f} AdamW steps "
+        f"of {rl['adamw_params'] / 1e6:.1f} M parameters at {rl['adamw_step_s_1thread']:.3f} s: "
+        f"floor {rl['floor_s_1thread']:.2f} s (1 thread), {rl['floor_s_2thread']:.2f} s (2); "
+        f"sequential / floor = {r['batched_floor_speedup_m100']:.2f}x"
     )
     mech = r["mechanisms"]
     print(
