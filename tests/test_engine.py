@@ -125,3 +125,29 @@ def test_membership_inference_every_round_is_written_to_metrics(tmp_path: Path) 
         assert set(row["mia"]) == {"red", "green", "blue", "grey"}
         assert 0.0 <= row["mia"]["red"]["mia_auc"] <= 1.0
         assert set(row["feature_norms"]["red"]) >= {"mean", "q50", "frac_above_clip"}
+
+
+def test_cli_stops_quietly_when_its_reader_goes_away(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+    import sys
+
+    from protofl import cli
+
+    def closed_pipe(args: argparse.Namespace) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    parser = cli.build_parser()
+    real_parse = parser.parse_args
+
+    def parse(argv: object = None) -> argparse.Namespace:
+        args = real_parse(["config"])
+        args.func = closed_pipe
+        return args
+
+    monkeypatch.setattr(parser, "parse_args", parse)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    with open(tmp_path / "out.txt", "w") as out:
+        monkeypatch.setattr(sys, "stdout", out)
+        assert cli.main([]) == 141  # 128 + SIGPIPE, no traceback
