@@ -25,27 +25,19 @@ from typing import Any
 from protofl.data.base import DATASET_REGISTRY, DatasetInfo, MultiDomainDataset
 from protofl.data.imagefolder import (
     COMMON_OPTIONS,
-    DEFAULT_IMAGE_SIZE,
-    PROTOCOLS,
-    VPDR_SPLIT_SEED,
     DataFileError,
     DatasetRootError,
     DomainItems,
     FolderBenchmark,
     SkipLog,
     build_domains,
-    check_options,
     env_root_available,
     find_child,
-    option_bool,
-    option_domains,
-    option_holdout,
-    option_image_size,
-    option_int,
-    option_protocol,
+    folder_options,
     protocol_split,
     resolve_root,
     scan_class_folders,
+    split_lists_or_vpdr,
     take,
 )
 from protofl.registry import nearest
@@ -175,13 +167,9 @@ def _list_items(
 
 def load_domainnet(home: Path, root: str | None = None, **options: Any) -> MultiDomainDataset:
     """Load DomainNet (see the module docstring for classes, protocols and options)."""
-    check_options("domainnet", options, DOMAINNET_OPTIONS)
-    size = option_image_size("domainnet", options.get("image_size"), DEFAULT_IMAGE_SIZE)
-    protocol = option_protocol("domainnet", options.get("protocol"), PROTOCOLS)
-    skip = option_bool("domainnet", "skip_corrupt", options.get("skip_corrupt", False))
-    seed = option_int("domainnet", "split_seed", options.get("split_seed"), VPDR_SPLIT_SEED)
-    domains = option_domains("domainnet", options.get("domains"), DOMAINNET_DOMAINS)
-    holdout = option_holdout("domainnet", options.get("holdout_domain"), domains)
+    size, protocol, skip, seed, domains, holdout = folder_options(
+        "domainnet", options, DOMAINNET_OPTIONS, DOMAINNET_DOMAINS
+    )
     root_path = resolve_root(
         "domainnet", root, DOMAINNET_ENV, DOMAINNET_LAYOUT, DOMAINNET_DISTRIBUTED
     )
@@ -202,23 +190,19 @@ def load_domainnet(home: Path, root: str | None = None, **options: Any) -> Multi
                 return folder / f"{d}_{kind}.txt"
         return None
 
-    use_lists = protocol in (None, "official")
     missing = [f"{d}_{k}.txt" for d in domains for k in ("train", "test") if not find_list(d, k)]
-    if use_lists and missing:
-        searched = ", ".join(str(p) for p in dirs)
-        if protocol == "official":
-            raise DatasetRootError(
-                f"domainnet: protocol 'official' needs the split lists; missing "
-                f"{', '.join(missing)} (searched: {searched}). Pass split_dir, or use protocol "
-                f"'feddap' or 'vpdr'.\nExpected layout:\n{DOMAINNET_LAYOUT.rstrip()}\n"
-                f"Distributed at: {DOMAINNET_DISTRIBUTED}"
-            )
-        log.warning(
-            "domainnet: split lists not found (missing %s; searched %s); using protocol 'vpdr'",
-            ", ".join(missing),
-            searched,
-        )
-        use_lists = False
+    use_lists = split_lists_or_vpdr(
+        "domainnet",
+        protocol,
+        protocol in (None, "official"),
+        missing,
+        dirs,
+        lists="split lists",
+        alternatives="'feddap' or 'vpdr'",
+        layout=DOMAINNET_LAYOUT,
+        distributed=DOMAINNET_DISTRIBUTED,
+        logger=log,
+    )
 
     items: list[DomainItems] = []
     for d in domains:

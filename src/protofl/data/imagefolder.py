@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from PIL import Image
@@ -261,6 +261,77 @@ def option_int(dataset: str, name: str, value: Any, default: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise ValueError(f"data set {dataset!r}: option {name} must be an int, got {value!r}")
     return int(value)
+
+
+class FolderOptions(NamedTuple):
+    """The options every image-folder benchmark shares, validated (see :func:`folder_options`)."""
+
+    image_size: int | None
+    protocol: str | None
+    skip_corrupt: bool
+    split_seed: int
+    domains: tuple[str, ...]
+    holdout: str | None
+
+
+def folder_options(
+    dataset: str, options: Mapping[str, Any], allowed: Mapping[str, str], domains: Sequence[str]
+) -> FolderOptions:
+    """Check ``options`` against ``allowed``, then validate the shared ones in a fixed order.
+
+    ``image_size`` (default :data:`DEFAULT_IMAGE_SIZE`), ``protocol`` (one of :data:`PROTOCOLS`),
+    ``skip_corrupt``, ``split_seed`` (default :data:`VPDR_SPLIT_SEED`), ``domains`` (out of
+    ``domains``) and ``holdout_domain`` (one of the selected domains).
+    """
+    check_options(dataset, options, allowed)
+    size = option_image_size(dataset, options.get("image_size"), DEFAULT_IMAGE_SIZE)
+    protocol = option_protocol(dataset, options.get("protocol"), PROTOCOLS)
+    skip = option_bool(dataset, "skip_corrupt", options.get("skip_corrupt", False))
+    seed = option_int(dataset, "split_seed", options.get("split_seed"), VPDR_SPLIT_SEED)
+    selected = option_domains(dataset, options.get("domains"), domains)
+    holdout = option_holdout(dataset, options.get("holdout_domain"), selected)
+    return FolderOptions(size, protocol, skip, seed, selected, holdout)
+
+
+def split_lists_or_vpdr(
+    dataset: str,
+    protocol: str | None,
+    use_lists: bool,
+    missing: Sequence[str],
+    searched: Iterable[Path],
+    *,
+    lists: str,
+    alternatives: str,
+    layout: str,
+    distributed: str,
+    logger: logging.Logger,
+    note: str = "",
+    note_args: tuple[Any, ...] = (),
+) -> bool:
+    """Whether to read the split lists, given the ``missing`` ones.
+
+    With lists missing, an explicit ``protocol`` is an error (naming ``lists``, the folders
+    ``searched``, the ``alternatives``, the layout and where the data set is distributed);
+    without one, ``logger`` warns (``note`` % ``note_args`` appended) and the loader falls back
+    to ``vpdr`` (False is returned).
+    """
+    if not (use_lists and missing):
+        return use_lists
+    where = ", ".join(str(p) for p in searched)
+    if protocol is not None:
+        raise DatasetRootError(
+            f"{dataset}: protocol {protocol!r} needs the {lists}; missing "
+            f"{', '.join(missing)} (searched: {where}). Pass split_dir, or use protocol "
+            f"{alternatives}.\nExpected layout:\n{layout.rstrip()}\n"
+            f"Distributed at: {distributed}"
+        )
+    logger.warning(
+        f"{dataset}: {lists} not found (missing %s; searched %s); using protocol 'vpdr'{note}",
+        ", ".join(missing),
+        where,
+        *note_args,
+    )
+    return False
 
 
 # ---------------------------------------------------------------- scanning
@@ -661,13 +732,9 @@ class FolderBenchmark:
 
     def load(self, home: Path, root: str | None = None, **options: Any) -> MultiDomainDataset:
         """Load the benchmark (see the class docstring and docs/datasets.md)."""
-        check_options(self.name, options, self.allowed_options)
-        size = option_image_size(self.name, options.get("image_size"), DEFAULT_IMAGE_SIZE)
-        protocol = option_protocol(self.name, options.get("protocol"), PROTOCOLS)
-        skip = option_bool(self.name, "skip_corrupt", options.get("skip_corrupt", False))
-        seed = option_int(self.name, "split_seed", options.get("split_seed"), VPDR_SPLIT_SEED)
-        domains = option_domains(self.name, options.get("domains"), self.domains)
-        holdout = option_holdout(self.name, options.get("holdout_domain"), domains)
+        size, protocol, skip, seed, domains, holdout = folder_options(
+            self.name, options, self.allowed_options, self.domains
+        )
         base = self.find_base(
             resolve_root(self.name, root, self.env, self.layout, self.distributed)
         )
@@ -717,16 +784,19 @@ __all__ = [
     "DatasetRootError",
     "DomainItems",
     "FolderBenchmark",
+    "FolderOptions",
     "SkipLog",
     "build_domains",
     "check_options",
     "decode_image",
     "decode_many",
+    "folder_options",
     "protocol_split",
     "read_split_list",
     "resize_array",
     "resolve_root",
     "scan_class_folders",
     "skipped_files",
+    "split_lists_or_vpdr",
     "walk_images",
 ]

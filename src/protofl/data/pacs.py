@@ -27,25 +27,17 @@ from typing import Any
 from protofl.data.base import DATASET_REGISTRY, DatasetInfo, MultiDomainDataset
 from protofl.data.imagefolder import (
     COMMON_OPTIONS,
-    DEFAULT_IMAGE_SIZE,
-    PROTOCOLS,
-    VPDR_SPLIT_SEED,
     DataFileError,
     DatasetRootError,
     DomainItems,
     FolderBenchmark,
     SkipLog,
     build_domains,
-    check_options,
     find_child,
-    option_bool,
-    option_domains,
-    option_holdout,
-    option_image_size,
-    option_int,
-    option_protocol,
+    folder_options,
     read_split_list,
     resolve_root,
+    split_lists_or_vpdr,
 )
 
 log = logging.getLogger(__name__)
@@ -153,13 +145,9 @@ def _list_items(
 
 def load_pacs(home: Path, root: str | None = None, **options: Any) -> MultiDomainDataset:
     """Load PACS (see the module docstring for protocols and options)."""
-    check_options("pacs", options, PACS_OPTIONS)
-    size = option_image_size("pacs", options.get("image_size"), DEFAULT_IMAGE_SIZE)
-    protocol = option_protocol("pacs", options.get("protocol"), PROTOCOLS)
-    skip = option_bool("pacs", "skip_corrupt", options.get("skip_corrupt", False))
-    seed = option_int("pacs", "split_seed", options.get("split_seed"), VPDR_SPLIT_SEED)
-    domains = option_domains("pacs", options.get("domains"), PACS_DOMAINS)
-    holdout = option_holdout("pacs", options.get("holdout_domain"), domains)
+    size, protocol, skip, seed, domains, holdout = folder_options(
+        "pacs", options, PACS_OPTIONS, PACS_DOMAINS
+    )
     split_dir = options.get("split_dir")
     if split_dir is not None and not Path(str(split_dir)).expanduser().is_dir():
         raise DatasetRootError(f"pacs: split_dir {split_dir} does not exist")
@@ -169,29 +157,25 @@ def load_pacs(home: Path, root: str | None = None, **options: Any) -> MultiDomai
     dirs = split_dirs(root_path, None if split_dir is None else str(split_dir))
     skips = SkipLog("pacs", skip)
 
-    use_lists = protocol in (None, "official", "feddap")
     lists: dict[str, dict[str, Path | None]] = {
         d: {k: find_list(dirs, d, k) for k in ("train", "crossval", "test")} for d in domains
     }
     need = ("train", "test") if protocol == "feddap" else ("train", "crossval")
     missing = [f"{d}_{k}_kfold.txt" for d in domains for k in need if lists[d][k] is None]
-    if use_lists and missing:
-        searched = ", ".join(str(d) for d in dirs)
-        if protocol is not None:
-            raise DatasetRootError(
-                f"pacs: protocol {protocol!r} needs the official split lists; missing "
-                f"{', '.join(missing)} (searched: {searched}). Pass split_dir, or use protocol "
-                f"'vpdr'.\nExpected layout:\n{PACS_LAYOUT.rstrip()}\nDistributed at: "
-                f"{PACS_DISTRIBUTED}"
-            )
-        log.warning(
-            "pacs: official split lists not found (missing %s; searched %s); using protocol "
-            "'vpdr' (random 80/20, seed %d)",
-            ", ".join(missing),
-            searched,
-            seed,
-        )
-        use_lists = False
+    use_lists = split_lists_or_vpdr(
+        "pacs",
+        protocol,
+        protocol in (None, "official", "feddap"),
+        missing,
+        dirs,
+        lists="official split lists",
+        alternatives="'vpdr'",
+        layout=PACS_LAYOUT,
+        distributed=PACS_DISTRIBUTED,
+        logger=log,
+        note=" (random 80/20, seed %d)",
+        note_args=(seed,),
+    )
 
     items: list[DomainItems] = []
     for d in domains:

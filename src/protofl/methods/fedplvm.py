@@ -52,15 +52,14 @@ from protofl.methods.base import (
     Upload,
     lookup_targets,
 )
-from protofl.methods.finch import cluster_per_class, finch_cluster_fn
+from protofl.methods.finch import finch_cluster_fn
 from protofl.methods.fpl import (
+    cluster_aggregate,
     cosine_matrix,
     has_prototypes,
     is_number,
     multi_positive_infonce,
     nearest_prototype,
-    report_missing,
-    stacked_release,
 )
 from protofl.privacy.base import ClusterFn
 
@@ -119,20 +118,7 @@ class FedPLVM(Method):
 
     def aggregate(self, uploads: Sequence[Upload], round_index: int) -> GlobalState:
         """Per-class FINCH over all uploaded centres -> global cluster prototypes, class means."""
-        protos, classes = stacked_release(uploads)
-        if protos.numel() == 0:
-            report_missing(self, classes)
-            return {}
-        centres, owners = cluster_per_class(protos, classes, self.params["metric"])
-        present = torch.unique(owners)
-        means = torch.stack([centres[owners == c].mean(dim=0) for c in present.tolist()])
-        report_missing(self, present)
-        return {
-            "prototypes": means,
-            "classes": present,
-            "cluster_prototypes": centres,
-            "cluster_classes": owners,
-        }
+        return cluster_aggregate(self, uploads)
 
     def prototype_loss(
         self, f: torch.Tensor, y: torch.Tensor, global_state: GlobalState

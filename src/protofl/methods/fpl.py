@@ -100,6 +100,29 @@ def report_missing(method: Method, classes: torch.Tensor) -> None:
         method._missing_reported = key  # type: ignore[attr-defined]
 
 
+def cluster_aggregate(method: Method, uploads: Sequence[Upload]) -> GlobalState:
+    """Per-class FINCH (``method.params["metric"]``) over all uploaded prototypes.
+
+    Returns the cluster prototypes and their classes (``cluster_prototypes``,
+    ``cluster_classes``) and the per-class mean of the cluster prototypes (``prototypes``,
+    ``classes``); ``{}`` when nothing was uploaded. Classes without an upload are reported.
+    """
+    protos, classes = stacked_release(uploads)
+    if protos.numel() == 0:
+        report_missing(method, classes)
+        return {}
+    centres, owners = cluster_per_class(protos, classes, method.params["metric"])
+    present = torch.unique(owners)
+    means = torch.stack([centres[owners == c].mean(dim=0) for c in present.tolist()])
+    report_missing(method, present)
+    return {
+        "prototypes": means,
+        "classes": present,
+        "cluster_prototypes": centres,
+        "cluster_classes": owners,
+    }
+
+
 def has_prototypes(global_state: GlobalState, key: str = "prototypes") -> bool:
     """Whether the broadcast holds at least one prototype under ``key``."""
     return key in global_state and global_state[key].shape[0] > 0
@@ -147,20 +170,7 @@ class FPL(Method):
 
     def aggregate(self, uploads: Sequence[Upload], round_index: int) -> GlobalState:
         """Per-class FINCH over all uploaded prototypes -> cluster prototypes and their mean."""
-        protos, classes = stacked_release(uploads)
-        if protos.numel() == 0:
-            report_missing(self, classes)
-            return {}
-        centres, centre_classes = cluster_per_class(protos, classes, self.params["metric"])
-        present = torch.unique(centre_classes)
-        unbiased = torch.stack([centres[centre_classes == c].mean(dim=0) for c in present.tolist()])
-        report_missing(self, present)
-        return {
-            "prototypes": unbiased,
-            "classes": present,
-            "cluster_prototypes": centres,
-            "cluster_classes": centre_classes,
-        }
+        return cluster_aggregate(self, uploads)
 
     def client_loss(
         self, batch: Batch, global_state: GlobalState, state: ClientState

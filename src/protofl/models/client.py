@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 
 import torch
 from torch import nn
@@ -23,7 +24,28 @@ class ResidualAdapter(nn.Module):
         return z + self.up(torch.relu(self.down(z)))
 
 
-class ClientModel(nn.Module):
+class ClientModelBase(nn.Module, ABC):
+    """The interface every client model shares: ``features(z)`` (each subclass's own),
+    ``forward(z) -> (f, logits)`` through ``self.head``, and ``trainable_parameters()``.
+    """
+
+    head: nn.Module
+
+    @abstractmethod
+    def features(self, z: torch.Tensor) -> torch.Tensor:
+        """The prototype-space feature f of a cached representation z."""
+
+    def forward(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(f, logits)``."""
+        f = self.features(z)
+        return f, self.head(f)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """Parameters the local optimiser updates: every one with ``requires_grad``."""
+        return [p for p in self.parameters() if p.requires_grad]
+
+
+class ClientModel(ClientModelBase):
     """Cached frozen representation -> adapter -> projection (feature f) -> classifier head."""
 
     def __init__(self, in_dim: int, num_classes: int, config: BackboneConfig) -> None:
@@ -45,15 +67,6 @@ class ClientModel(nn.Module):
     def features(self, z: torch.Tensor) -> torch.Tensor:
         """The prototype-space feature f of a cached representation z."""
         return self.proj(self.adapter(z))
-
-    def forward(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(f, logits)``."""
-        f = self.features(z)
-        return f, self.head(f)
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        """Parameters the local optimiser updates."""
-        return [p for p in self.parameters() if p.requires_grad]
 
 
 def init_parameters(module: nn.Module, generator: torch.Generator) -> None:

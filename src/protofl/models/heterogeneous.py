@@ -98,16 +98,17 @@ class EffNetFinal(Member):
 
     name = "effnet_final"
     dim = 1280
+    tap: ClassVar[int] = 0  # which output of the shared pass: 0 final map, 1 mid-level map
 
     def weights_id(self) -> str:
         """The weight file's fingerprint."""
         return _effnet(self.image_size).backbone.weights_id()
 
     def encode(self, images: torch.Tensor, shared: dict[str, Any]) -> torch.Tensor:
-        """Pooled final feature map."""
+        """Pooled feature map ``tap`` of one shared EfficientNet pass (final or mid-level)."""
         if "effnet" not in shared:
             shared["effnet"] = _effnet(self.image_size)(images)
-        out: torch.Tensor = shared["effnet"][0]
+        out: torch.Tensor = shared["effnet"][self.tap]
         return out
 
 
@@ -116,13 +117,7 @@ class EffNetMid(EffNetFinal):
 
     name = "effnet_mid"
     dim = 112
-
-    def encode(self, images: torch.Tensor, shared: dict[str, Any]) -> torch.Tensor:
-        """Pooled mid-level feature map."""
-        if "effnet" not in shared:
-            shared["effnet"] = _effnet(self.image_size)(images)
-        out: torch.Tensor = shared["effnet"][1]
-        return out
+    tap = 1
 
 
 class RandomCNN(Member):

@@ -21,6 +21,7 @@ from torch import nn
 
 from protofl.config import BackboneConfig
 from protofl.models.backbones import BACKBONE_REGISTRY, FrozenBackbone
+from protofl.models.client import ClientModelBase
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -114,8 +115,11 @@ def random_crop_flip(
     return out.permute(0, 3, 1, 2).contiguous()
 
 
-class ResNetClientModel(nn.Module):
-    """The whole trainable ResNet on the cached normalised image: ``(f, logits)``."""
+class ResNetClientModel(ClientModelBase):
+    """The whole trainable ResNet on the cached normalised image: ``(f, logits)``.
+
+    Every parameter is trainable (nothing is frozen).
+    """
 
     def __init__(
         self,
@@ -156,15 +160,6 @@ class ResNetClientModel(nn.Module):
             pad = self.get_buffer("pad_value")
             z = random_crop_flip(z, self.aug_generator, pad, CROP_PADDING)
         return self.proj(self.net(z))
-
-    def forward(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(f, logits)``."""
-        f = self.features(z)
-        return f, self.head(f)
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        """Every parameter (nothing is frozen)."""
-        return [p for p in self.parameters() if p.requires_grad]
 
 
 class CifarResNetBackbone(FrozenBackbone):

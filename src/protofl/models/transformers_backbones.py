@@ -40,7 +40,7 @@ from torch import nn
 
 from protofl.config import BackboneConfig
 from protofl.models.backbones import BACKBONE_REGISTRY, FrozenBackbone
-from protofl.models.client import init_parameters
+from protofl.models.client import ClientModelBase, init_parameters
 
 log = logging.getLogger(__name__)
 
@@ -310,12 +310,13 @@ def make_head(proto_dim: int, num_classes: int, kind: str) -> nn.Module:
     return nn.Linear(proto_dim, num_classes)
 
 
-class ViTAdapterClientModel(nn.Module):
+class ViTAdapterClientModel(ClientModelBase):
     """Cached ViT prefix -> remaining frozen blocks, each followed by this client's adapter ->
     frozen final LayerNorm -> mean over patch tokens -> ``proj`` (feature f) -> ``head``.
 
     The frozen blocks are held outside the module tree (shared by every client, not in the state
-    dict, untouched by ``train()``), so weight averaging only sees adapters, projection and head.
+    dict, untouched by ``train()``), so weight averaging only sees adapters, projection and head;
+    those are the trainable parameters (the projection unless frozen).
     """
 
     def __init__(
@@ -362,15 +363,6 @@ class ViTAdapterClientModel(nn.Module):
     def features(self, z: torch.Tensor) -> torch.Tensor:
         """The prototype-space feature f."""
         return self.proj(self.pooled(z))
-
-    def forward(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(f, logits)``."""
-        f = self.features(z)
-        return f, self.head(f)
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        """Adapters, projection (unless frozen) and head."""
-        return [p for p in self.parameters() if p.requires_grad]
 
     def _apply(self, fn: Any, recurse: bool = True) -> ViTAdapterClientModel:
         # ``.to(device)`` / ``.double()`` also move the shared frozen ViT (all clients share it).
