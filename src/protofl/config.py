@@ -96,6 +96,9 @@ class BackboneConfig:
     head: str = "linear"
     feature_cache: bool = True
     feature_dtype: str = "float32"  # float16: cached features held at half the memory
+    # the backbone's own settings (a ViT checkpoint, adapt_last_k, ...); each backbone names the
+    # ones it accepts (docs/backbones.md); they win over the older environment variables
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_range("backbone.image_size", self.image_size, low=8, high=512)
@@ -103,6 +106,16 @@ class BackboneConfig:
         check_range("backbone.proto_dim", self.proto_dim, low=2)
         check_range("backbone.adapter_hidden", self.adapter_hidden, low=1)
         check_choice("backbone.head", self.head, ("linear", "mlp"))
+        if not isinstance(self.options, Mapping):
+            raise ConfigError(f"backbone.options must be a mapping, got {self.options!r}")
+        for key in self.options:
+            if not isinstance(key, str):
+                raise ConfigError(f"backbone.options: option names are strings, got {key!r}")
+        if self.options:
+            # imported here: the backbones import this module (and torch)
+            from protofl.models.backbones import check_backbone_options
+
+            check_backbone_options(self.name, self.options)
 
 
 @dataclass(frozen=True)

@@ -214,13 +214,14 @@ def rebuild_clients(
     from protofl.data.features import cached_features
     from protofl.engine.federated_data import load_dataset
     from protofl.methods import create_method
-    from protofl.models.backbones import BACKBONE_REGISTRY, create_backbone
+    from protofl.models.backbones import backbone_class
 
     cfg = art.config
     home = home or protofl_home()
     wanted = [art.client_index(n) for n in names] if names else list(range(len(art.clients)))
+    backbone_cls = backbone_class(cfg.backbone)
     dataset = load_dataset(cfg, home)
-    backbone = create_backbone(cfg.backbone.name, cfg.backbone.image_size)
+    backbone = backbone_cls(cfg.backbone.image_size)
     domain_order = list(dict.fromkeys(art.domains))
     method = create_method(
         cfg.method.name,
@@ -266,7 +267,7 @@ def rebuild_clients(
         union, train_z, test_z = domain_cache[dom.name]
         idx = art.train_indices[i]
         pos = np.searchsorted(union, idx)
-        model = BACKBONE_REGISTRY.get(cfg.backbone.name).client_model(
+        model = backbone_cls.client_model(
             backbone.feature_dim,
             dataset.num_classes,
             cfg.backbone,

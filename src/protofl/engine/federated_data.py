@@ -16,7 +16,7 @@ from protofl.data import DATASET_REGISTRY
 from protofl.data.base import MultiDomainDataset
 from protofl.data.features import cached_features
 from protofl.data.partition import dirichlet_split, equal_shards, subsample
-from protofl.models.backbones import FrozenBackbone, create_backbone
+from protofl.models.backbones import FrozenBackbone, backbone_class
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +132,12 @@ def build_federated_data(
 ) -> FederatedData:
     """Subsample each domain's train split, assign clients, and encode with the cached backbone."""
     dcfg = config.data
+    # the backbone's name and options are checked before any data is loaded
+    backbone_cls = backbone_class(config.backbone) if backbone is None else None
     dataset = dataset or load_dataset(config, home)
-    backbone = backbone or create_backbone(config.backbone.name, config.backbone.image_size)
+    if backbone is None:
+        assert backbone_cls is not None
+        backbone = backbone_cls(config.backbone.image_size)
     domains = list(dataset.domains)
     if dcfg.domains is not None:
         domains = [dataset.domain(name) for name in dcfg.domains]

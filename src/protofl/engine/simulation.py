@@ -17,7 +17,7 @@ from protofl.config import ExperimentConfig
 from protofl.engine.federated_data import ClientData, FederatedData
 from protofl.methods import create_method
 from protofl.methods.base import Batch, ClientState, GlobalState, Method, Upload
-from protofl.models.backbones import BACKBONE_REGISTRY
+from protofl.models.backbones import backbone_class
 from protofl.models.client import ClientModel
 from protofl.privacy import create_mechanism
 from protofl.privacy.base import Mechanism, Release
@@ -116,7 +116,7 @@ class Simulation:
         )
         self.global_state: GlobalState = {}
         self.round = 0
-        backbone_cls = BACKBONE_REGISTRY.get(config.backbone.name)
+        backbone_cls = backbone_class(config.backbone)
         init_seed = derive_seed(config.seed, 1)
         self.clients: list[Client] = []
         # identical frozen parameters (a frozen projection, frozen transformer blocks) are held

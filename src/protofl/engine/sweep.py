@@ -286,7 +286,7 @@ def _check_registries(points: Sequence[SweepPoint], source: str) -> None:
     """Unknown data sets, backbones, methods or method parameters fail before any run."""
     from protofl.data import DATASET_REGISTRY
     from protofl.methods import create_method
-    from protofl.models.backbones import BACKBONE_REGISTRY
+    from protofl.models.backbones import backbone_class
 
     checked: set[str] = set()
     for p in points:
@@ -296,6 +296,7 @@ def _check_registries(points: Sequence[SweepPoint], source: str) -> None:
                 cfg.data.name,
                 cfg.data.options,
                 cfg.backbone.name,
+                cfg.backbone.options,
                 cfg.method.name,
                 cfg.method.params,
             ],
@@ -308,7 +309,7 @@ def _check_registries(points: Sequence[SweepPoint], source: str) -> None:
         try:
             info = DATASET_REGISTRY.get(cfg.data.name)
             _check_data_options(cfg.data.name, info.loader, cfg.data.options)
-            BACKBONE_REGISTRY.get(cfg.backbone.name)
+            backbone_class(cfg.backbone)  # the name and backbone.options
             create_method(
                 cfg.method.name,
                 cfg.method.params,
@@ -724,7 +725,13 @@ def _warm_feature_cache(todo: Sequence[SweepPoint], home: Path | None, display: 
         if not cfg.backbone.feature_cache:
             continue
         key = json.dumps(
-            [cfg.to_dict()["data"], cfg.backbone.name, cfg.backbone.image_size, cfg.seed],
+            [
+                cfg.to_dict()["data"],
+                cfg.backbone.name,
+                cfg.backbone.options,
+                cfg.backbone.image_size,
+                cfg.seed,
+            ],
             sort_keys=True,
             default=str,
         )

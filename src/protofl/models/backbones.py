@@ -1,20 +1,89 @@
-"""Frozen backbones: images in, the cacheable frozen representation out."""
+"""Frozen backbones: images in, the cacheable frozen representation out.
+
+A backbone's settings (a ViT checkpoint folder, how many blocks get adapters, ...) come from
+``backbone.options`` in the config, so ``config.yaml`` records them. Each backbone class declares
+the options it accepts (``accepted_options``); :func:`backbone_class` returns the registered class
+with the config's options applied. For backward compatibility an environment variable is the
+fallback for each option: the config wins, then the environment variable, then the class default.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import io
+import logging
 import math
+import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from protofl.config import BackboneConfig
-from protofl.registry import Registry
+from protofl.config import BackboneConfig, ConfigError
+from protofl.registry import Registry, nearest
+
+log = logging.getLogger(__name__)
+
+_ALL = ("", "all", "none")
+
+
+def option_text(value: Any) -> str:
+    """A non-empty string (a folder or a name)."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError("expected a non-empty string")
+    return value.strip()
+
+
+def option_count(value: Any) -> int | None:
+    """An integer >= 1; ``None``, ``all`` or ``none`` give ``None`` (the backbone's default)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in _ALL):
+        return None
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ValueError("expected an integer >= 1 (or 'all' / null)") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError("expected an integer >= 1 (or 'all' / null)")
+    return value
+
+
+def option_choice(choices: Sequence[str]) -> Callable[[Any], str]:
+    """A parser accepting one of ``choices`` (case-insensitive)."""
+
+    def parse(value: Any) -> str:
+        text = value.strip().lower() if isinstance(value, str) else value
+        if text not in choices:
+            hint = nearest(str(text), list(choices)) if isinstance(text, str) else ""
+            raise ValueError(f"{text!r} is not allowed{hint}; choose one of: {', '.join(choices)}")
+        return str(text)
+
+    return parse
+
+
+@dataclass(frozen=True)
+class BackboneOption:
+    """One setting a backbone takes from ``backbone.options.<name>``.
+
+    ``parse`` checks and converts a value (from the config, or the environment variable's
+    string) and raises ``ValueError`` saying what is expected; ``env`` is the environment
+    variable read when the config does not set the option (kept for older set-ups).
+    """
+
+    meaning: str
+    env: str | None = None
+    parse: Callable[[Any], Any] = option_text
+
+
+_ENV_NOTED: set[tuple[str, str, str, str]] = set()
 
 
 class FrozenBackbone(ABC):
@@ -27,9 +96,95 @@ class FrozenBackbone(ABC):
 
     name: str = "base"
     feature_dim: int = 0
+    #: options this backbone accepts under ``backbone.options`` (name -> meaning, env fallback);
+    #: each name is also a class attribute holding the default
+    accepted_options: ClassVar[Mapping[str, BackboneOption]] = {}
+    #: options fixed on this class (from the config or ``configured``): the environment
+    #: variable no longer overrides them
+    fixed_settings: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, image_size: int) -> None:
         self.image_size = image_size
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        """Validate ``backbone.options`` for this backbone; returns the parsed values.
+
+        An unknown option (or any option for a backbone that takes none) fails naming
+        ``backbone.options.<key>``, the backbone and the valid names.
+        """
+        valid = list(cls.accepted_options)
+        parsed: dict[str, Any] = {}
+        for raw_key, value in options.items():
+            key = str(raw_key)
+            spec = cls.accepted_options.get(key)
+            if spec is None:
+                if valid:
+                    hint = f"{nearest(key, valid)}; valid options for {cls.name!r}: " + ", ".join(
+                        valid
+                    )
+                else:
+                    hint = f"; backbone {cls.name!r} takes no options"
+                raise ConfigError(
+                    f"unknown option backbone.options.{key}: backbone {cls.name!r} has no "
+                    f"option {key!r}{hint}"
+                )
+            try:
+                parsed[key] = spec.parse(value)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(
+                    f"backbone.options.{key}={value!r} (backbone {cls.name!r}): {exc}"
+                ) from None
+        return parsed
+
+    @classmethod
+    def with_settings(cls, **settings: Any) -> type[FrozenBackbone]:
+        """A subclass with ``settings`` as class attributes. Those that are options are fixed:
+        their environment variables no longer override them."""
+        fixed = cls.fixed_settings | (set(settings) & set(cls.accepted_options))
+        attrs: dict[str, Any] = {
+            **settings,
+            "fixed_settings": frozenset(fixed),
+            "__module__": cls.__module__,
+            "__doc__": cls.__doc__,
+        }
+        return type(f"{cls.__name__}Configured", (cls,), attrs)
+
+    @classmethod
+    def with_options(cls, options: Mapping[str, Any]) -> type[FrozenBackbone]:
+        """This class with the config's ``backbone.options`` applied (itself when empty)."""
+        if not options:
+            return cls
+        return cls.with_settings(**cls.check_options(options))
+
+    @classmethod
+    def setting(cls, name: str) -> Any:
+        """The value of option ``name``: fixed on the class (``backbone.options``) > its
+        environment variable > the class default. An environment variable that decides a
+        value is logged once (INFO), naming the config key that would record it."""
+        spec = cls.accepted_options[name]
+        if name not in cls.fixed_settings and spec.env is not None:
+            raw = os.environ.get(spec.env, "").strip()
+            if raw:
+                try:
+                    value = spec.parse(raw)
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(f"{spec.env}={raw!r}: {exc}") from None
+                if value is not None:
+                    noted = (cls.name, name, spec.env, raw)
+                    if noted not in _ENV_NOTED:
+                        _ENV_NOTED.add(noted)
+                        log.info(
+                            "backbone %r: %s=%r comes from the environment variable %s; set "
+                            "backbone.options.%s in the config to record it in config.yaml",
+                            cls.name,
+                            name,
+                            value,
+                            spec.env,
+                            name,
+                        )
+                    return value
+        return getattr(cls, name)
 
     @property
     def cache_key(self) -> str:
@@ -154,9 +309,30 @@ class PixelProjection(FrozenBackbone):
         return grey @ self.matrix * 4.0
 
 
-def create_backbone(name: str, image_size: int) -> FrozenBackbone:
-    """Build a registered frozen backbone."""
-    return BACKBONE_REGISTRY.get(name)(image_size)
+def backbone_class(config: BackboneConfig) -> type[FrozenBackbone]:
+    """The registered class for ``config.name`` with ``config.options`` applied.
+
+    Every place that builds a backbone or its client models from a config goes through this, so
+    the options take effect everywhere. Unknown options fail (``ConfigError``) without building
+    anything.
+    """
+    return BACKBONE_REGISTRY.get(config.name).with_options(config.options)
+
+
+def check_backbone_options(name: str, options: Mapping[str, Any]) -> None:
+    """Validate ``backbone.options`` for backbone ``name`` without building it (no-op for an
+    unregistered name: that fails where the backbone is looked up)."""
+    import protofl.models  # noqa: F401  (registers every backbone)
+
+    if name in BACKBONE_REGISTRY:
+        BACKBONE_REGISTRY.get(name).check_options(options)
+
+
+def create_backbone(
+    name: str, image_size: int, options: Mapping[str, Any] | None = None
+) -> FrozenBackbone:
+    """Build a registered frozen backbone, with ``options`` as in ``backbone.options``."""
+    return BACKBONE_REGISTRY.get(name).with_options(options or {})(image_size)
 
 
 def frozen(module: nn.Module) -> nn.Module:

@@ -17,7 +17,6 @@ prototype methods do.
 from __future__ import annotations
 
 import math
-import os
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -29,10 +28,12 @@ from torch import nn
 from protofl.config import BackboneConfig
 from protofl.models.backbones import (
     BACKBONE_REGISTRY,
+    BackboneOption,
     EfficientNetLite0,
     FrozenBackbone,
     PixelProjection,
     create_backbone,
+    option_text,
 )
 from protofl.models.client import ClientModel, init_parameters
 
@@ -225,15 +226,44 @@ MEMBERS: dict[str, type[Member]] = {
 }
 
 
-def _member_list(default: tuple[str, ...]) -> tuple[str, ...]:
-    raw = os.environ.get(ENV_HTFE4_MEMBERS, "").strip()
-    names = tuple(n.strip() for n in raw.split(",") if n.strip()) if raw else default
+def parse_members(value: Any) -> tuple[str, ...]:
+    """Member names, in order, from a list or a comma-separated string; all must be known."""
+    if isinstance(value, str):
+        names = tuple(n.strip() for n in value.split(",") if n.strip())
+    elif isinstance(value, list | tuple) and all(isinstance(n, str) for n in value):
+        names = tuple(n.strip() for n in value)
+    else:
+        raise ValueError("expected a list of member names (or 'a,b,c')")
+    if not names:
+        raise ValueError("names no member; choose from " + ", ".join(MEMBERS))
     unknown = [n for n in names if n not in MEMBERS]
-    if unknown or not names:
-        raise ValueError(
-            f"{ENV_HTFE4_MEMBERS}: unknown member(s) {unknown}; choose from " + ", ".join(MEMBERS)
-        )
+    if unknown:
+        raise ValueError(f"unknown member(s) {unknown}; choose from " + ", ".join(MEMBERS))
     return names
+
+
+def parse_base(value: Any) -> str:
+    """A registered backbone that is not itself an ``htc4``."""
+    name = option_text(value)
+    if issubclass(BACKBONE_REGISTRY.get(name), HtC4):
+        raise ValueError("the base cannot itself be htc4")
+    return name
+
+
+HTFE_OPTIONS: dict[str, BackboneOption] = {
+    "members": BackboneOption(
+        "the extractors, in order (a list or 'a,b,c'); client i uses member i % M",
+        ENV_HTFE4_MEMBERS,
+        parse_members,
+    )
+}
+HTC4_OPTIONS: dict[str, BackboneOption] = {
+    "base": BackboneOption(
+        "the base backbone (any registered one but htc4); its cache is shared",
+        ENV_HTC4_BASE,
+        parse_base,
+    )
+}
 
 
 # ------------------------------------------------------------------------------ client models
@@ -277,18 +307,24 @@ class HtFEBackbone(FrozenBackbone):
 
     name = "htfe"
     members: ClassVar[tuple[str, ...]] = ("effnet_final", "effnet_mid", "random_cnn", "pixels")
+    accepted_options = HTFE_OPTIONS
 
     def __init__(self, image_size: int) -> None:
         super().__init__(image_size)
-        self.member_names = _member_list(self.members)
+        self.member_names = self.member_list()
         self.parts = [MEMBERS[n](image_size) for n in self.member_names]
         self.feature_dim = sum(p.dim for p in self.parts)
+
+    @classmethod
+    def member_list(cls) -> tuple[str, ...]:
+        """The members (``backbone.options.members``, else the environment, else the class)."""
+        return parse_members(cls.setting("members"))
 
     @classmethod
     def slices(cls) -> list[tuple[str, int, int]]:
         """(member, start, stop) of each member in the cached representation."""
         out, start = [], 0
-        for name in _member_list(cls.members):
+        for name in cls.member_list():
             out.append((name, start, start + MEMBERS[name].dim))
             start += MEMBERS[name].dim
         return out
@@ -335,7 +371,7 @@ class HtFEBackbone(FrozenBackbone):
 @BACKBONE_REGISTRY.register("htfe4")
 class HtFE4(HtFEBackbone):
     """HtFE4: EfficientNet-Lite0 final and mid-level features, a random CNN, random pixel
-    projection (override the members with PROTOFL_HTFE4_MEMBERS)."""
+    projection (other members: ``backbone.options.members``, or PROTOFL_HTFE4_MEMBERS)."""
 
     name = "htfe4"
 
@@ -351,19 +387,20 @@ class HtFE4Fast(HtFEBackbone):
 
 @BACKBONE_REGISTRY.register("htc4")
 class HtC4(FrozenBackbone):
-    """HtC4: one base backbone (``PROTOFL_HTC4_BASE``, default ``efficientnet_lite0``) and heads of
-    1..4 layers (client ``i`` gets ``i % 4 + 1``)."""
+    """HtC4: one base backbone (``backbone.options.base``, else ``PROTOFL_HTC4_BASE``, default
+    ``efficientnet_lite0``) and heads of 1..4 layers (client ``i`` gets ``i % 4 + 1``)."""
 
     name = "htc4"
     base: ClassVar[str] = "efficientnet_lite0"
     depths: ClassVar[tuple[int, ...]] = (1, 2, 3, 4)
+    accepted_options = HTC4_OPTIONS
 
     @classmethod
     def base_name(cls) -> str:
         """The base backbone's registry name."""
-        name = os.environ.get(ENV_HTC4_BASE, "").strip() or cls.base
+        name = str(cls.setting("base"))
         if name == cls.name or issubclass(BACKBONE_REGISTRY.get(name), HtC4):
-            raise ValueError(f"{ENV_HTC4_BASE}={name!r}: the base cannot itself be htc4")
+            raise ValueError(f"{cls.name}: base={name!r}: the base cannot itself be htc4")
         return name
 
     def __init__(self, image_size: int) -> None:

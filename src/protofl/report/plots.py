@@ -264,7 +264,7 @@ def client_features(
     from protofl.data.cache import protofl_home
     from protofl.engine.federated_data import build_federated_data
     from protofl.methods import create_method
-    from protofl.models.backbones import BACKBONE_REGISTRY
+    from protofl.models.backbones import backbone_class
 
     rec = _as_record(run)
     path = rec.path / "artifacts.pt"
@@ -287,7 +287,7 @@ def client_features(
         num_domains=len(data.domains),
         proto_dim=config.backbone.proto_dim,
     )
-    backbone_cls = BACKBONE_REGISTRY.get(config.backbone.name)
+    backbone_cls = backbone_class(config.backbone)
     rng = np.random.default_rng(seed)
     per_client = max(1, max_points // max(1, len(data.clients)))
     feats, labels, domains, clients = [], [], [], []
