@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from protofl.config import BackboneConfig, ConfigError, ExperimentConfig
+from protofl.data.cache import protofl_home
 from protofl.engine.runner import run_experiment
 from protofl.models import backbones
 from protofl.models.backbones import backbone_class, create_backbone
@@ -54,11 +55,36 @@ def _toy(backbone: str, options: dict[str, Any] | None = None, **extra: Any) -> 
 
 
 def _run(config: ExperimentConfig, out: Path) -> Any:
-    # ViT adapters' dropout draws from torch's global generator, which the engine does not seed:
-    # seed it so that two runs of the same settings can be compared exactly
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return run_experiment(config, out=out)
+    return run_experiment(config, out=out)
+
+
+def test_vit_runs_repeat_exactly_and_reuse_the_feature_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The adapters' dropout is seeded per (seed, client, round) by the engine, whatever the
+    global generator holds; the [N, tokens, d] prefix is read back from the cache."""
+    from protofl.models.transformers_backbones import ViTBackbone
+
+    cfg = _toy("vit_random_micro", {"adapt_last_k": 1})
+    torch.manual_seed(123)
+    first = _run(cfg, tmp_path / "a")
+
+    def no_encoding(self: object, images: object) -> None:
+        raise AssertionError("the cached ViT prefix was recomputed")
+
+    monkeypatch.setattr(ViTBackbone, "encode", no_encoding)
+    torch.manual_seed(456)  # another global state: the run must not depend on it
+    second = _run(cfg, tmp_path / "b")
+    assert [h.train_loss for h in second.history] == [h.train_loss for h in first.history]
+    assert second.summary["client_acc"] == first.summary["client_acc"]
+    # local training draws from a fork: the global generator is left as it was
+    from protofl.engine.federated_data import build_federated_data
+    from protofl.engine.simulation import Simulation
+
+    sim = Simulation(cfg, build_federated_data(cfg, protofl_home()))
+    before = torch.random.get_rng_state()
+    sim.train_client(sim.clients[0])
+    assert torch.equal(torch.random.get_rng_state(), before)
 
 
 def _feature_dirs(home: Path) -> list[str]:

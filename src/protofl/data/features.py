@@ -49,7 +49,8 @@ def feature_cache_path(
 
 def _mapped(path: Path, rows: int, dtype: type) -> np.ndarray | None:
     arr = map_array(path)
-    if arr is None or arr.ndim != 2 or arr.shape[0] != rows or arr.dtype != dtype:
+    # [N, d] pooled features, or [N, tokens, d] for a ViT's frozen prefix
+    if arr is None or arr.ndim < 2 or arr.shape[0] != rows or arr.dtype != dtype:
         return None
     return arr
 
@@ -65,8 +66,8 @@ def cached_features(
     use_cache: bool = True,
     dtype: str = "float32",
 ) -> torch.Tensor:
-    """Frozen representation of ``images`` (``[N, feature_dim]`` of ``dtype``), read from the
-    memory-mapped cache or computed and stored."""
+    """Frozen representation of ``images`` (``[N, ...]`` of ``dtype``: pooled features, or a
+    ViT's token prefix), read from the memory-mapped cache or computed and stored."""
     if dtype not in FEATURE_DTYPES:
         raise ValueError(f"feature dtype {dtype!r}; choose one of {sorted(FEATURE_DTYPES)}")
     if not use_cache:

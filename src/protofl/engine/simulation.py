@@ -276,7 +276,17 @@ class Simulation:
         return uploads
 
     def train_client(self, c: Client) -> float:
-        """E local epochs of the method's objective (plus DCR); returns the mean batch loss."""
+        """E local epochs of the method's objective (plus DCR); returns the mean batch loss.
+
+        Anything in the client model that draws from torch's global generator (the ViT
+        adapters' dropout) draws from a fork of it seeded by (seed, client, round), so runs and
+        resumed runs repeat exactly; the global generator is left as it was.
+        """
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(self.config.seed, 6, c.data.client, self.round))
+            return self._train_client(c)
+
+    def _train_client(self, c: Client) -> float:
         fed = self.config.federation
         self.method.begin_local(c.model, c.state, self.global_state, c.data.client)
         c.model.train()
