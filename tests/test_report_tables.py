@@ -183,3 +183,27 @@ def test_sweep_folder_expands_to_its_runs(runs: Path, tmp_path: Path) -> None:
     found, skipped = collect_runs([sweep])
     assert [r.name for r in found] == ["r3", "r1"]  # grid order from sweep.json
     assert [p.name for p, _ in skipped] == ["r9"]
+
+
+def test_where_keeps_only_matching_runs(
+    runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from protofl.report.tables import filter_runs
+
+    found, _ = collect_runs([runs])
+    assert [r.name for r in filter_runs(found, ["method=fedproto", "mechanism=vpdr"])] == [
+        "r3",
+        "r4",
+    ]
+    assert [r.name for r in filter_runs(found, ["epsilon=1"])] == ["r3", "r4", "r5"]  # 1 == 1.0
+    assert [r.name for r in filter_runs(found, ["epsilon=null"])] == ["r1", "r2"]  # no privacy
+    assert filter_runs(found, ["seed=7"]) == []
+    with pytest.raises(ValueError, match="must look like key=value"):
+        filter_runs(found, ["method"])
+    args = _parse(["table", str(runs), "--by", "method,mechanism", "--where", "method=fpl"])
+    assert args.func(args) == 0
+    out, _ = capsys.readouterr()
+    assert out.splitlines()[2] == "| fpl | vpdr | 1 | 75.00 | 55.00 | 65.00 | 10.00 |"
+    args = _parse(["table", str(runs), "--where", "method=fedpcl"])
+    with pytest.raises(ValueError, match="no finished run matches --where method=fedpcl"):
+        args.func(args)

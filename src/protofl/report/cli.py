@@ -76,10 +76,20 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 def cmd_table(args: argparse.Namespace) -> int:
     """Aggregate finished runs into a Markdown, CSV or LaTeX table."""
-    from protofl.report.tables import aggregate, collect_runs, describe_metric, format_table
+    from protofl.report.tables import (
+        aggregate,
+        collect_runs,
+        describe_metric,
+        filter_runs,
+        format_table,
+    )
 
     runs, skipped = collect_runs(args.runs, metric=args.metric)
     _print_skipped(skipped)
+    if runs and args.where:
+        runs = filter_runs(runs, args.where)
+        if not runs:
+            raise ValueError(f"no finished run matches --where {' '.join(args.where)}")
     if not runs:
         raise ValueError(
             f"no finished runs among {', '.join(args.runs)}"
@@ -121,10 +131,20 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     """Draw one figure (PNG and SVG) from run or sweep folders."""
     from protofl.report import plots
-    from protofl.report.tables import aggregate, collect_runs, display_key, format_value
+    from protofl.report.tables import (
+        aggregate,
+        collect_runs,
+        display_key,
+        filter_runs,
+        format_value,
+    )
 
     runs, skipped = collect_runs(args.runs, metric=args.metric)
     _print_skipped(skipped)
+    if runs and args.where:
+        runs = filter_runs(runs, args.where)
+        if not runs:
+            raise ValueError(f"no finished run matches --where {' '.join(args.where)}")
     if not runs:
         raise ValueError(f"no finished runs among {', '.join(args.runs)}")
     kind = args.kind
@@ -219,6 +239,13 @@ def add_report_parsers(subparsers: Any) -> None:
         help="final round (VPDR) or mean of the last 5 rounds (FedDAP)",
     )
     tb.add_argument("--digits", type=int, default=2, help="decimals shown (default 2)")
+    tb.add_argument(
+        "--where",
+        action="append",
+        metavar="KEY=VALUE",
+        help="keep only runs whose config has this value (method=fedproto, epsilon=1); repeatable",
+    )
+
     tb.add_argument("--output", "-o", help="write the table to this file")
     tb.add_argument(
         "--caption", action="store_true", help="print what the numbers mean (to stderr)"
@@ -244,6 +271,13 @@ def add_report_parsers(subparsers: Any) -> None:
     )
     pl.add_argument("--metric", choices=("final", "last5"), default="final")
     pl.add_argument("--by", help="group keys for kind avg")
+    pl.add_argument(
+        "--where",
+        action="append",
+        metavar="KEY=VALUE",
+        help="keep only runs whose config has this value (method=fedproto, epsilon=1); repeatable",
+    )
+
     pl.add_argument("--max-points", type=int, default=1500, help="t-SNE subsample")
     pl.add_argument("--split", choices=("test", "train"), default="test", help="t-SNE data")
     pl.add_argument("--attack-metrics", help="comma-separated, e.g. mia_auc,mia_advantage")

@@ -268,6 +268,26 @@ def collect_runs(
     return runs, skipped
 
 
+def filter_runs(runs: Sequence[RunRecord], where: Iterable[str]) -> list[RunRecord]:
+    """The runs whose config matches every ``key=value`` of ``where`` (keys dotted or short as
+    in ``--by``; values in YAML, numbers compared as numbers: ``epsilon=1`` matches 1.0;
+    ``epsilon=null`` matches runs without a privacy mechanism)."""
+    tests: list[tuple[str, Any]] = []
+    for item in where:
+        if "=" not in item:
+            raise ValueError(f"--where {item!r} must look like key=value")
+        key, raw = (part.strip() for part in item.split("=", 1))
+        tests.append((key, yaml.safe_load(raw) if raw else None))
+
+    def same(a: Any, b: Any) -> bool:
+        numbers = (int, float)
+        if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool):
+            return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-12)
+        return bool(a == b) or (a is not None and b is not None and str(a) == str(b))
+
+    return [r for r in runs if all(same(r.value(k), v) for k, v in tests)]
+
+
 # --------------------------------------------------------------------------------------------
 # aggregation
 # --------------------------------------------------------------------------------------------
