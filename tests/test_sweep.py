@@ -158,3 +158,16 @@ def test_folder_with_a_different_sweep_is_refused(tmp_path: Path) -> None:
     (d / "config.yaml").write_text(other.to_yaml())
     with pytest.raises(ConfigError, match=r"federation.rounds: 5 there, 2 now"):
         run_sweep(plan, sweep_dir=sweep_dir, jobs=1, progress=False)
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((Path(__file__).resolve().parents[1] / "experiments").glob("*.yaml")),
+    ids=lambda p: p.stem,
+)
+def test_every_results_sweep_file_validates(path: Path) -> None:
+    """The sweep files behind docs/results.md stay valid as the config evolves."""
+    plan = load_sweep(path)
+    assert plan.points
+    seeds = {p.config.seed for p in plan.points}
+    assert seeds == {0, 1, 2}, f"{path.name}: docs/results.md reports seeds 0-2"
