@@ -29,6 +29,25 @@ def _print_skipped(skipped: list[tuple[Path, str]]) -> None:
         print(f"protofl: skipped {path}: {why}", file=sys.stderr)
 
 
+def _finished_runs(args: argparse.Namespace) -> list[Any]:
+    """The finished runs among ``args.runs`` that match ``--where``; skipped folders are listed
+    on stderr; no run left is an error naming why."""
+    from protofl.report.tables import collect_runs, filter_runs
+
+    runs, skipped = collect_runs(args.runs, metric=args.metric)
+    _print_skipped(skipped)
+    if runs and args.where:
+        runs = filter_runs(runs, args.where)
+        if not runs:
+            raise ValueError(f"no finished run matches --where {' '.join(args.where)}")
+    if not runs:
+        raise ValueError(
+            f"no finished runs among {', '.join(args.runs)}"
+            + (f" ({len(skipped)} folders skipped, listed above)" if skipped else "")
+        )
+    return runs
+
+
 # --------------------------------------------------------------------------------------------
 # sweep
 # --------------------------------------------------------------------------------------------
@@ -76,25 +95,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 def cmd_table(args: argparse.Namespace) -> int:
     """Aggregate finished runs into a Markdown, CSV or LaTeX table."""
-    from protofl.report.tables import (
-        aggregate,
-        collect_runs,
-        describe_metric,
-        filter_runs,
-        format_table,
-    )
+    from protofl.report.tables import aggregate, describe_metric, format_table
 
-    runs, skipped = collect_runs(args.runs, metric=args.metric)
-    _print_skipped(skipped)
-    if runs and args.where:
-        runs = filter_runs(runs, args.where)
-        if not runs:
-            raise ValueError(f"no finished run matches --where {' '.join(args.where)}")
-    if not runs:
-        raise ValueError(
-            f"no finished runs among {', '.join(args.runs)}"
-            + (f" ({len(skipped)} folders skipped, listed above)" if skipped else "")
-        )
+    runs = _finished_runs(args)
     text = format_table(aggregate(runs, _split_by(args.by), args.metric), args.format, args.digits)
     if args.output:
         Path(args.output).write_text(text)
@@ -131,22 +134,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     """Draw one figure (PNG and SVG) from run or sweep folders."""
     from protofl.report import plots
-    from protofl.report.tables import (
-        aggregate,
-        collect_runs,
-        display_key,
-        filter_runs,
-        format_value,
-    )
+    from protofl.report.tables import aggregate, display_key, format_value
 
-    runs, skipped = collect_runs(args.runs, metric=args.metric)
-    _print_skipped(skipped)
-    if runs and args.where:
-        runs = filter_runs(runs, args.where)
-        if not runs:
-            raise ValueError(f"no finished run matches --where {' '.join(args.where)}")
-    if not runs:
-        raise ValueError(f"no finished runs among {', '.join(args.runs)}")
+    runs = _finished_runs(args)
     kind = args.kind
     if args.out:
         stem = Path(args.out)
