@@ -55,11 +55,11 @@ from protofl.methods.base import (
 from protofl.methods.finch import finch_cluster_fn
 from protofl.methods.fpl import (
     cluster_aggregate,
+    cluster_predict,
     cosine_matrix,
     has_prototypes,
     is_number,
     multi_positive_infonce,
-    nearest_prototype,
 )
 from protofl.privacy.base import ClusterFn
 
@@ -159,10 +159,4 @@ class FedPLVM(Method):
         self, model: Any, z: torch.Tensor, global_state: GlobalState, state: ClientState
     ) -> torch.Tensor:
         """Classifier head, or nearest global cluster prototype (cosine) for ``eval: prototype``."""
-        if self.params["eval"] == "classifier" or not has_prototypes(
-            global_state, "cluster_prototypes"
-        ):
-            return super().predict(model, z, global_state, state)
-        return nearest_prototype(
-            model.features(z), global_state["cluster_prototypes"], global_state["cluster_classes"]
-        )
+        return cluster_predict(self, model, z, global_state, state)

@@ -123,6 +123,20 @@ def cluster_aggregate(method: Method, uploads: Sequence[Upload]) -> GlobalState:
     }
 
 
+def cluster_predict(
+    method: Method, model: Any, z: torch.Tensor, global_state: GlobalState, state: ClientState
+) -> torch.Tensor:
+    """FPL/FedPLVM prediction: the classifier head (``eval: classifier``, or before any cluster
+    prototype arrived), else the nearest global cluster prototype by cosine."""
+    if method.params["eval"] == "classifier" or not has_prototypes(
+        global_state, "cluster_prototypes"
+    ):
+        return Method.predict(method, model, z, global_state, state)
+    return nearest_prototype(
+        model.features(z), global_state["cluster_prototypes"], global_state["cluster_classes"]
+    )
+
+
 def has_prototypes(global_state: GlobalState, key: str = "prototypes") -> bool:
     """Whether the broadcast holds at least one prototype under ``key``."""
     return key in global_state and global_state[key].shape[0] > 0
@@ -197,13 +211,7 @@ class FPL(Method):
         self, model: Any, z: torch.Tensor, global_state: GlobalState, state: ClientState
     ) -> torch.Tensor:
         """Classifier head, or nearest cluster prototype (cosine) with ``eval: prototype``."""
-        if self.params["eval"] == "classifier" or not has_prototypes(
-            global_state, "cluster_prototypes"
-        ):
-            return super().predict(model, z, global_state, state)
-        return nearest_prototype(
-            model.features(z), global_state["cluster_prototypes"], global_state["cluster_classes"]
-        )
+        return cluster_predict(self, model, z, global_state, state)
 
 
 def is_number(v: Any) -> bool:
