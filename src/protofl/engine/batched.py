@@ -472,10 +472,8 @@ class BatchedTrainer:
                 and (c.model.proj.bias is b or torch.equal(c.model.proj.bias, b))
                 for c in sim.clients
             ):
+                # one frozen projection for all clients (Simulation pooled them as it built them)
                 self.shared_proj = (w.detach(), b.detach())
-                pool = FrozenParameterPool()  # one frozen projection for all clients
-                for c in sim.clients:
-                    pool.share(c.model)
         dcr = sim.clients[0].dcr
         self.teacher_shapes = (
             {n: tuple(p.shape) for n, p in dcr.teacher.named_parameters()} if dcr else {}
@@ -959,7 +957,6 @@ class BatchedTrainer:
         from dataclasses import replace
 
         from protofl.engine.simulation import derive_seed
-        from protofl.methods.base import Upload
         from protofl.privacy.mechanisms import release_many
 
         sim = self.sim
@@ -1006,24 +1003,7 @@ class BatchedTrainer:
                         seed=derive_seed(sim.config.seed, 5, c.data.client, sim.round),
                     )
                 by_client[c.data.client] = release
-        round_releases: list[Any] = []
-        uploads = []
-        for i, c in enumerate(sim.clients):
-            if active is not None and not active[i]:
-                round_releases.append(None)
-                continue
-            sent = by_client.get(c.data.client)
-            round_releases.append(sent)
-            uploads.append(
-                Upload(
-                    client=c.data.client,
-                    domain=c.data.domain,
-                    release=sent,
-                    num_samples=c.data.num_train,
-                )
-            )
-        sim.releases.append(round_releases)
-        return uploads
+        return sim.record_uploads(by_client, active)  # type: ignore[no-any-return]
 
     @torch.no_grad()
     def predict_many(self, clients: Sequence[Client], z: torch.Tensor) -> torch.Tensor:

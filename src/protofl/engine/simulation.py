@@ -216,17 +216,15 @@ class Simulation:
         trainer = self.batched_trainer()
         if trainer is not None:
             return trainer.collect_uploads(active)  # type: ignore[no-any-return]
-        uploads: list[Upload] = []
         norms: dict[str, dict[str, float]] = {}
         mia: dict[str, dict[str, float]] = {}
         self.last_feature_norms = norms
         self.last_mia = mia
         cluster_fn = self.method.cluster_fn()
-        round_releases: list[Release | None] = []
+        sent: dict[int, Release | None] = {}
         for i, c in enumerate(self.clients):
             release = None
             if active is not None and not active[i]:
-                round_releases.append(None)
                 continue
             if self.method.uses_prototypes:
                 c.model.eval()
@@ -263,6 +261,21 @@ class Simulation:
                         release,
                         seed=derive_seed(self.config.seed, 5, c.data.client, self.round),
                     )
+            sent[c.data.client] = release
+        return self.record_uploads(sent, active)
+
+    def record_uploads(
+        self, sent: dict[int, Release | None], active: Sequence[bool] | None
+    ) -> list[Upload]:
+        """The round's uploads from what each active client sent (keyed by client id), in
+        client order; the round's row of ``self.releases`` (None for a client that sat out)."""
+        round_releases: list[Release | None] = []
+        uploads: list[Upload] = []
+        for i, c in enumerate(self.clients):
+            if active is not None and not active[i]:
+                round_releases.append(None)
+                continue
+            release = sent.get(c.data.client)
             round_releases.append(release)
             uploads.append(
                 Upload(
