@@ -151,3 +151,21 @@ def test_cli_stops_quietly_when_its_reader_goes_away(
     with open(tmp_path / "out.txt", "w") as out:
         monkeypatch.setattr(sys, "stdout", out)
         assert cli.main([]) == 141  # 128 + SIGPIPE, no traceback
+
+
+def test_noisy_add_remove_counts_are_accepted_and_weight_the_average(tmp_path: Path) -> None:
+    from protofl.engine.federated_data import build_federated_data
+    from protofl.engine.simulation import Simulation
+    from protofl.methods.checks import tiny_config
+
+    config = tiny_config("feddap", "igpp", rounds=4).with_overrides(
+        ["privacy.neighbouring=add_remove", "privacy.addremove_counts=noisy", "privacy.epsilon=1"]
+    )
+    sim = Simulation(config, build_federated_data(config, tmp_path))
+    assert not sim.counts_public
+    for _ in range(4):
+        m = sim.run_round()
+        assert m.rejected == []
+    for c, release in zip(sim.clients, sim.releases[-1]):
+        assert release is not None
+        assert sim.public_count(c) == int(release.counts.sum()) != c.data.num_train

@@ -41,7 +41,8 @@ def make_upload(k: int = 3, d: int = 8, weights: bool = False) -> Upload:
         noise_std=torch.rand(k, d, generator=g),
         mechanism="vpp",
         events=[{"kind": "pure", "epsilon": 0.1}, {"kind": "gaussian", "noise_multiplier": 3.5}],
-        info={"sigma": 3.5, "partition_overlap": 0.25},
+        info={"sigma": 3.5, "k": 3.0},
+        diagnostics={"partition_overlap": 0.25},
     )
     w = {"head.weight": torch.randn(4, d, generator=g), "head.bias": torch.zeros(4)}
     return Upload(

@@ -75,4 +75,20 @@ def test_loopback_deployment_runs_and_leaves_no_process(tmp_path: Path) -> None:
     assert history[1]["participants"] == ["red"]  # blue's node is gone
     assert history[1]["rejected"], "the vanished node must be reported"
     assert 0.0 <= summary["avg_acc"] <= 1.0
+    # privacy against the server: every field the server received is on the allow-list (no
+    # local-only diagnostics from deployed clients) and every client kept a secret noise key
+    from protofl.engine.flower.codec import DIAGNOSTIC_RECORD, WIRE_FIELDS
+
+    for phase, fields in summary["wire_fields"].items():
+        allowed = {
+            f"{record}.{key}"
+            for record, keys in WIRE_FIELDS[phase].items()
+            if record != DIAGNOSTIC_RECORD
+            for key in keys
+        }
+        assert set(fields) <= allowed, phase
+    assert "release.prototypes" in summary["wire_fields"]["release"]
+    guarantee = summary["privacy"]["guarantee"]
+    assert guarantee["noise_key"] == "secret"
+    assert set(guarantee["noise_key_per_client"].values()) == {"secret"}
     print(f"loopback deployment test: {time.perf_counter() - t0:.1f}s")

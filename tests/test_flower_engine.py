@@ -112,6 +112,7 @@ def _run_inline(
         wait_timeout=10.0,
         outcome=outcome,
         on_round=on_round,
+        diagnostics=True,
     )
     return outcome, grid
 
@@ -377,3 +378,173 @@ def test_every_method_runs_identically_on_flower(method: str, tmp_path: Path) ->
 def test_sampling_dcr_and_holdout_match_the_simulator(overrides: list[str], tmp_path: Path) -> None:
     ref, got = _both_engines(tiny_config("fedproto", "vpdr").with_overrides(overrides), tmp_path)
     assert got == ref
+
+
+# ----- privacy against the server: the wire allow-list and the noise key ----------------------
+def _allowed(phase: str, *, diagnostics: bool) -> set[str]:
+    from protofl.engine.flower.codec import DIAGNOSTIC_RECORD, WIRE_FIELDS
+
+    return {
+        f"{record}.{key}"
+        for record, keys in WIRE_FIELDS[phase].items()
+        if diagnostics or record != DIAGNOSTIC_RECORD
+        for key in keys
+    }
+
+
+def _recording_run(
+    tmp_path: Path,
+    config: Any,
+    *,
+    deployment: bool,
+    node_config: dict[str, Any] | None = None,
+    wait: float = 10.0,
+) -> tuple[ServerOutcome, dict[str, set[str]]]:
+    """An inline Flower run whose every reply is recorded as it crosses the wire."""
+    from protofl.engine.flower.codec import wire_fields
+
+    app = make_client_app(config, tmp_path, deployment=deployment)
+    seen: dict[str, set[str]] = {}
+    phases = {"query.hello": "hello", "train.release": "release", "train": "train"}
+
+    def client(msg: Message, ctx: Context) -> Message:
+        reply = app(msg, ctx)
+        phase = phases.get(msg.metadata.message_type, "evaluate")
+        seen.setdefault(phase, set()).update(wire_fields(reply.content))
+        return reply
+
+    grid = InlineGrid(client, 2)
+    for ctx in grid.contexts.values():
+        ctx.node_config.update(node_config or {})
+    outcome = ServerOutcome()
+    run_flower_server(
+        grid,
+        config,
+        out=tmp_path / "runs",
+        min_nodes=2,
+        round_timeout=30.0,
+        wait_timeout=wait,
+        outcome=outcome,
+        diagnostics=not deployment,
+    )
+    return outcome, seen
+
+
+@pytest.mark.parametrize("deployment", [False, True])
+def test_every_field_on_the_wire_is_released_or_declared_public(
+    deployment: bool, tmp_path: Path
+) -> None:
+    config = tiny_config("fedproto", "vpdr", rounds=2)
+    outcome, seen = _recording_run(tmp_path, config, deployment=deployment)
+    assert set(seen) == {"hello", "release", "train", "evaluate"}
+    for phase, fields in seen.items():
+        assert fields <= _allowed(phase, diagnostics=not deployment), phase
+    # the private diagnostics (VPP's partition overlap, the training loss) travel only in
+    # protofl's simulation, never from a deployed client
+    assert ("diagnostics.partition_overlap" in seen["release"]) is not deployment
+    assert ("diagnostics.train-loss" in seen["train"]) is not deployment
+    assert all(not m.rejected for m in outcome.history)
+    summary = outcome.summary
+    assert summary["wire_fields"]["release"] == sorted(seen["release"])
+    g = summary["privacy"]["guarantee"]
+    assert g["noise_key"] == ("secret" if deployment else "derived")
+    assert set(g["noise_key_per_client"].values()) == {g["noise_key"]}
+
+
+def test_the_server_rejects_a_field_outside_the_allow_list(tmp_path: Path) -> None:
+    from flwr.app import ConfigRecord
+
+    def leak(app: Any, msg: Message, ctx: Context) -> Message:
+        reply = app(msg, ctx)
+        if msg.metadata.message_type == "train.release" and _round(msg) == 2:
+            reply.content["upload"]["exact-count"] = 160
+        if msg.metadata.message_type == "train" and _round(msg) == 1:
+            reply.content["secrets"] = ConfigRecord({"x": 1})
+        return reply
+
+    outcome, _ = _run_inline(tmp_path, leak, rounds=2)
+    reasons = [r["reason"] for m in outcome.history for r in m.rejected]
+    assert any("upload['exact-count'] is not allowed on the wire" in r for r in reasons)
+    assert any("record 'secrets'" in r for r in reasons)
+
+
+def test_a_deployed_client_refuses_a_derived_noise_key_unless_its_node_opts_out(
+    tmp_path: Path,
+) -> None:
+    config = tiny_config("fedproto", "igpp", rounds=1).with_overrides(
+        ["privacy.noise_seed=derived"]
+    )
+    with pytest.raises(TimeoutError, match="only 0 of 2 nodes registered"):
+        _recording_run(tmp_path, config, deployment=True, wait=1.0)
+    outcome, _ = _recording_run(
+        tmp_path, config, deployment=True, node_config={"insecure-derived-noise-key": "true"}
+    )
+    assert outcome.summary["privacy"]["guarantee"]["noise_key"] == "derived"
+
+
+def test_a_restarted_supernode_keeps_its_secret_noise_stream(tmp_path: Path) -> None:
+    """With a node-local state folder, a node that lost its in-memory context resumes its
+    ledger and its secret noise stream instead of starting over (no replayed noise)."""
+    config = tiny_config("fedproto", "igpp", rounds=2)
+    app = make_client_app(config, tmp_path, deployment=True)
+    grid = InlineGrid(app, 2)
+    for ctx in grid.contexts.values():
+        ctx.node_config["state-dir"] = str(tmp_path / f"node-{ctx.node_id}")
+    first = {}
+
+    def forget(g: InlineGrid, m: RoundMetrics) -> None:
+        for nid, ctx in g.contexts.items():  # a SuperNode restart: the in-memory state is gone
+            first[nid] = unpack_state(ctx.state[STATE_KEY])  # type: ignore[arg-type]
+            ctx.state = type(ctx.state)()
+
+    outcome = ServerOutcome()
+    run_flower_server(
+        grid,
+        config,
+        out=None,
+        min_nodes=2,
+        round_timeout=30.0,
+        wait_timeout=10.0,
+        outcome=outcome,
+        on_round=lambda m: forget(grid, m) if m.round == 1 else None,
+    )
+    for nid, ctx in grid.contexts.items():
+        after = unpack_state(ctx.state[STATE_KEY])  # type: ignore[arg-type]
+        assert [e["round"] for e in after["ledger"]["entries"]] == [0, 1]
+        assert after["noise_key"] == "secret"
+        assert not torch.equal(after["noise_gen"], first[nid]["noise_gen"])  # it moved on
+    assert all(not m.rejected for m in outcome.history)
+
+
+def test_add_remove_with_noisy_counts_sends_no_exact_count(tmp_path: Path) -> None:
+    """Presence is what add_remove protects: no exact sample count leaves the client, and the
+    server accepts every honest noisy upload (it used to reject 65% on an exact-total check)."""
+    config = tiny_config("feddap", "igpp", rounds=3).with_overrides(
+        ["privacy.neighbouring=add_remove", "privacy.addremove_counts=noisy", "privacy.epsilon=1"]
+    )
+    app = make_client_app(config, tmp_path, deployment=True)
+    sent: list[tuple[str, Any]] = []
+
+    def client(msg: Message, ctx: Context) -> Message:
+        reply = app(msg, ctx)
+        sent.append((msg.metadata.message_type, reply.content))
+        return reply
+
+    grid = InlineGrid(client, 2)
+    outcome = ServerOutcome()
+    run_flower_server(
+        grid, config, out=None, min_nodes=2, round_timeout=30.0, wait_timeout=10.0, outcome=outcome
+    )
+    exact = {
+        c.data.num_train for c in Simulation(config, build_federated_data(config, tmp_path)).clients
+    }
+    for kind, content in sent:
+        if kind == "query.hello":
+            assert "num-samples" not in content["hello"]
+        if kind == "train.release":
+            counts = content["release"]["counts"].numpy()
+            assert int(content["upload"]["num-samples"]) == int(counts.sum())
+            assert int(content["metrics"]["num-examples"]) == int(counts.sum())
+    released = [int(c["upload"]["num-samples"]) for k, c in sent if k == "train.release"]
+    assert not set(released) <= exact  # noisy, not the exact counts
+    assert all(not m.rejected for m in outcome.history)

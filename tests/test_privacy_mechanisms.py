@@ -263,7 +263,7 @@ def test_vpp_events_and_ledger(variant: str) -> None:
         kinds = [e["kind"] for e in rel.events]
         selects = variant in ("paper", "normalized") or (variant.endswith("once") and r == 0)
         assert kinds == (["pure", "gaussian"] if selects else ["gaussian"])
-        assert 0.0 <= rel.info["partition_overlap"] <= 1.0
+        assert 0.0 <= rel.diagnostics["partition_overlap"] <= 1.0
         ledger.record(r, rel)
     spent = ledger.epsilon_spent()
     assert spent is not None and 0.99 * 2.0 <= spent <= 2.0
@@ -294,7 +294,9 @@ def test_vpp_partition_is_random_with_paper_defaults_but_not_normalized() -> Non
     gen = torch.Generator().manual_seed(0)
     paper = create_mechanism(PrivacyConfig(mechanism="vpp"), rounds=30, dim=64)
     overlaps = [
-        paper.release(x, y, num_classes=4, generator=gen, client=str(i)).info["partition_overlap"]
+        paper.release(x, y, num_classes=4, generator=gen, client=str(i)).diagnostics[
+            "partition_overlap"
+        ]
         for i in range(30)
     ]
     mean = sum(overlaps) / len(overlaps)
@@ -303,12 +305,12 @@ def test_vpp_partition_is_random_with_paper_defaults_but_not_normalized() -> Non
     rel = create_mechanism(PrivacyConfig(**huge), rounds=1, dim=64).release(  # type: ignore[arg-type]
         x, y, num_classes=4, generator=gen
     )
-    assert rel.info["partition_overlap"] < 0.6  # clipped scores tie at H: still near chance
+    assert rel.diagnostics["partition_overlap"] < 0.6  # clipped scores tie at H: still near chance
     huge["vpp_variant"] = "normalized"
     rel = create_mechanism(PrivacyConfig(**huge), rounds=1, dim=64).release(  # type: ignore[arg-type]
         x, y, num_classes=4, generator=gen
     )
-    assert rel.info["partition_overlap"] == 1.0
+    assert rel.diagnostics["partition_overlap"] == 1.0
 
 
 def test_empty_and_small_classes(caplog: pytest.LogCaptureFixture) -> None:
@@ -398,3 +400,21 @@ def test_describe_and_state() -> None:
     assert m.max_noise_std(7) == pytest.approx(m.budget.sigma_B * 2 * m.radius_b / 7)
     counts = again.counts.clamp_min(1).unsqueeze(1).to(again.noise_std.dtype)
     assert float((again.noise_std * counts).max()) <= m.max_noise_std(1) * (1 + 1e-5)  # float32
+
+
+def test_non_finite_scores_never_win_the_selection() -> None:
+    """Features of magnitude ~1e200 give NaN/inf ANOVA scores; they count as 0, never as top."""
+    vpp = VPP(PrivacyConfig(mechanism="vpp", vpp_variant="normalized"), rounds=1, dim=16)
+    raw = torch.tensor(
+        [float("nan"), float("inf"), -float("inf")] + [0.05] * 12 + [0.2], dtype=torch.float64
+    )
+    bounded = vpp.bounded_scores(raw)
+    assert torch.isfinite(bounded).all() and bounded[:3].eq(0).all()
+    assert int(bounded.argmax()) == 15
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 16, generator=g, dtype=torch.float64)
+    x[:, 0] = 1e200 * torch.sign(x[:, 0])
+    y = torch.arange(40) % 4
+    assert not torch.isfinite(vpp.scores(x, y, 4)).all()
+    rel = vpp.release(x, y, num_classes=4, generator=g, client="huge")
+    assert 0.0 <= rel.diagnostics["partition_overlap"] <= 1.0

@@ -140,7 +140,13 @@ def test_run_report_renders_in_chromium(tmp_path: Path) -> None:
     html_path, md_path = write_report(run_dir, tsne_points=200)
     page = html_path.read_text()
     assert "<script" not in page and "http://" not in page and "https://" not in page
-    for needle in ("Final round", "Privacy ledger", "Resolved config", "Report generated with"):
+    for needle in (
+        "Final round",
+        "Privacy ledger",
+        "What the guarantee covers",
+        "Resolved config",
+        "Report generated with",
+    ):
         assert needle in page, needle
     assert page.count('src="data:image/png;base64,') == 4  # accuracy, epsilon, norms, t-SNE
     md = md_path.read_text()

@@ -181,6 +181,7 @@ def _execute(
                     **sim.mechanism.describe(),
                     **sim.privacy_status(),
                     "dcr": config.privacy.use_dcr,
+                    "guarantee": sim.guarantee(),
                 },
                 "units": "accuracies are fractions in [0, 1]; tables show percentages",
                 "environment": environment(),

@@ -21,20 +21,18 @@ from protofl.models.backbones import backbone_class
 from protofl.models.client import ClientModel
 from protofl.privacy import create_mechanism
 from protofl.privacy.base import Mechanism, Release
+from protofl.privacy.guarantee import describe_guarantee
 from protofl.privacy.ledger import PrivacyLedger
+from protofl.privacy.noise import derive_seed, noise_generator, resolve_noise_mode
 from protofl.report.norms import feature_norm_stats
 
 log = logging.getLogger(__name__)
 
 EVAL_BATCH = 2048
 
-
-def derive_seed(seed: int, *keys: int) -> int:
-    """A 63-bit seed derived from the experiment seed and a path of integer keys."""
-    return int(
-        np.random.SeedSequence([seed, *keys]).generate_state(2, dtype=np.uint32).view(np.uint64)[0]
-        >> 1
-    )
+LOCAL_ONLY_FIELDS = ("feature_norms", "mia", "privacy.partition_overlap", "train_loss")
+"""Fields of a metrics row computed on clients' private data outside the privacy mechanism:
+diagnostics for the experimenter's own run files, never sent by a deployed client."""
 
 
 @dataclass
@@ -87,19 +85,24 @@ class RoundMetrics:
             "feature_norms": self.feature_norms,
             "mia": self.mia,
             "missing_classes": self.missing_classes,
+            "local_only": list(LOCAL_ONLY_FIELDS),
         }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RoundMetrics:
         """Inverse of :meth:`to_json`."""
-        return cls(**data)
+        return cls(**{k: v for k, v in data.items() if k != "local_only"})
 
 
 class Simulation:
     """Holds clients, server method state and the mechanism; ``run_round`` advances one round."""
 
-    def __init__(self, config: ExperimentConfig, data: FederatedData) -> None:
+    def __init__(
+        self, config: ExperimentConfig, data: FederatedData, *, deployment: bool = False
+    ) -> None:
         self.config = config
+        # derived (reproducible; whoever holds the config can remove the noise) or secret
+        self.noise_mode = resolve_noise_mode(config.privacy.noise_seed, deployment=deployment)
         self.data = data
         fed = config.federation
         self.method: Method = create_method(
@@ -151,7 +154,7 @@ class Simulation:
                         delta=config.privacy.delta, accountant=config.privacy.accountant
                     ),
                     train_gen=torch.Generator().manual_seed(derive_seed(config.seed, 2, cd.client)),
-                    noise_gen=torch.Generator().manual_seed(derive_seed(config.seed, 3, cd.client)),
+                    noise_gen=noise_generator(self.noise_mode, config.seed, cd.client),
                     dcr=dcr,
                 )
             )
@@ -178,6 +181,29 @@ class Simulation:
         self.history: list[RoundMetrics] = []
         self.batched: Any = None
         self.server_gen = torch.Generator().manual_seed(derive_seed(config.seed, 4))
+        # local-only diagnostics (computed on private data) are kept; a deployed client sends none
+        self.diagnostics = True
+        # with noisy add/remove counts, the server weights a client by the sum of its last noisy
+        # counts (post-processing), never by the exact count
+        self.public_counts: dict[int, int] = {}
+
+    # ----- what the server may know about a client's size --------------------------------------
+    @property
+    def counts_public(self) -> bool:
+        """Whether exact sample counts are public under the neighbouring relation."""
+        p = self.config.privacy
+        return not (
+            p.base_mechanism != "none"
+            and p.neighbouring == "add_remove"
+            and p.addremove_counts == "noisy"
+        )
+
+    def public_count(self, c: Client) -> int:
+        """The sample count the server may use for ``c``: exact when counts are public, else the
+        sum of the client's last released noisy counts (0 before its first release)."""
+        if self.counts_public:
+            return c.data.num_train
+        return self.public_counts.get(c.data.client, 0)
 
     # ----- one round --------------------------------------------------------------------------
     def select_participants(self) -> list[bool]:
@@ -277,12 +303,14 @@ class Simulation:
                 continue
             release = sent.get(c.data.client)
             round_releases.append(release)
+            if release is not None and not self.counts_public:
+                self.public_counts[c.data.client] = int(release.counts.sum())
             uploads.append(
                 Upload(
                     client=c.data.client,
                     domain=c.data.domain,
                     release=release,
-                    num_samples=c.data.num_train,
+                    num_samples=self.public_count(c),
                 )
             )
         self.releases.append(round_releases)
@@ -351,8 +379,10 @@ class Simulation:
     def average_weights(self, active: Sequence[bool] | None = None) -> None:
         """FedAvg (sample-weighted) of the weights of the clients that trained; sent to all."""
         members = [c for i, c in enumerate(self.clients) if active is None or active[i]]
-        weights = torch.tensor([c.data.num_train for c in members], dtype=torch.float64)
-        weights = weights / weights.sum()
+        weights = torch.tensor([self.public_count(c) for c in members], dtype=torch.float64)
+        weights = (
+            weights / weights.sum() if float(weights.sum()) > 0 else weights.fill_(1 / len(members))
+        )
         states = [c.model.state_dict() for c in members]
         avg = {
             k: sum(float(w) * s[k].double() for w, s in zip(weights, states)).to(states[0][k].dtype)
@@ -494,10 +524,23 @@ class Simulation:
             eps[c.data.name] = memo[key]
         status: dict[str, Any] = {"epsilon_spent": eps}
         last = [r for r in self.releases[-1] if r is not None] if self.releases else []
-        overlaps = [r.info["partition_overlap"] for r in last if "partition_overlap" in r.info]
-        if overlaps:
+        overlaps = [
+            r.diagnostics["partition_overlap"] for r in last if "partition_overlap" in r.diagnostics
+        ]
+        if overlaps:  # local-only diagnostic (computed on private data, never uploaded)
             status["partition_overlap"] = float(np.mean(overlaps))
         return status
+
+    def guarantee(self) -> dict[str, Any]:
+        """What this run's per-client guarantee covers (see :mod:`protofl.privacy.guarantee`)."""
+        return describe_guarantee(
+            self.config.privacy,
+            noise_key=self.noise_mode,
+            rounds=self.config.federation.rounds,
+            clustered=self.method.cluster_fn() is not None,
+            shares_weights=self.method.shares_weights,
+            uses_prototypes=self.method.uses_prototypes,
+        )
 
     def run(
         self, rounds: int | None = None, on_round: Callable[[RoundMetrics], None] | None = None
@@ -521,6 +564,7 @@ class Simulation:
             else {},
             "global_state": self.global_state,
             "server_gen": self.server_gen.get_state(),
+            "public_counts": dict(self.public_counts),
             "history": [m.to_json() for m in self.history],
             "releases": [[release_to_dict(r) for r in rr] for rr in self.releases],
             "clients": [
@@ -550,6 +594,7 @@ class Simulation:
             self.mechanism.load_state_dict(state["mechanism"])
         self.global_state = dict(state["global_state"])
         self.server_gen.set_state(state["server_gen"])
+        self.public_counts = {int(k): int(v) for k, v in state.get("public_counts", {}).items()}
         self.history = [RoundMetrics.from_json(m) for m in state["history"]]
         self.releases = [[release_from_dict(r) for r in rr] for rr in state["releases"]]
         for c, cs in zip(self.clients, state["clients"]):
@@ -576,6 +621,7 @@ def release_to_dict(release: Release | None) -> dict[str, Any] | None:
         "mechanism": release.mechanism,
         "events": release.events,
         "info": release.info,
+        "diagnostics": release.diagnostics,
     }
 
 

@@ -24,6 +24,11 @@ class Release:
     ``prototypes[i]`` is the (noisy) mean of ``counts[i]`` clipped features of class
     ``classes[i]``; ``sensitivity[i]`` is its L2 sensitivity and ``noise_std[i]`` the
     per-dimension standard deviation of the Gaussian noise actually added.
+
+    ``info`` holds public facts of the calibration (sigma, k): they may travel with the release.
+    ``diagnostics`` holds figures computed on the client's private data outside the mechanism
+    (VPP's partition overlap): **local-only**, never part of an upload, not covered by the DP
+    guarantee.  Engines keep them in the client's local log and run files.
     """
 
     prototypes: torch.Tensor
@@ -34,6 +39,7 @@ class Release:
     mechanism: str
     events: list[dict[str, Any]] = field(default_factory=list)
     info: dict[str, float] = field(default_factory=dict)
+    diagnostics: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         k = self.prototypes.shape[0]

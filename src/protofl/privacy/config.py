@@ -28,6 +28,8 @@ class PrivacyConfig:
     addremove_counts: str = "public"
     # the reference code's accidental group clipping for IGPP (off: plain clipping, VPDR Eq. 4)
     igpp_group_clip: bool = False
+    # where the noise comes from: auto | derived | secret (protofl.privacy.noise)
+    noise_seed: str = "auto"
     # releases of prototypes with fewer samples than this are logged as a warning
     warn_min_count: int = 5
     # VPP (VPDR Sec. 4.2); paper defaults H=0.1, r=0.1, rho=0.2
@@ -66,6 +68,8 @@ class PrivacyConfig:
             _fail("neighbouring", self.neighbouring, "replace_one, add_remove")
         if self.addremove_counts not in ("public", "noisy"):
             _fail("addremove_counts", self.addremove_counts, "public, noisy")
+        if self.noise_seed not in ("auto", "derived", "secret"):
+            _fail("noise_seed", self.noise_seed, "auto, derived, secret")
         if isinstance(self.warn_min_count, bool) or not isinstance(self.warn_min_count, int):
             _fail("warn_min_count", self.warn_min_count, "integers >= 0")
         if self.warn_min_count < 0:

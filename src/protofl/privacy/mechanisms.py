@@ -122,6 +122,11 @@ def random_mask(dim: int, k: int, generator: torch.Generator) -> torch.Tensor:
     return mask
 
 
+def _reference_topk(raw: torch.Tensor, k: int) -> torch.Tensor:
+    """The non-private top-k of the scores (non-finite scores count as 0, as in selection)."""
+    return topk_mask(torch.nan_to_num(raw, nan=0.0, posinf=0.0, neginf=0.0), k)
+
+
 def partition_overlap(private: torch.Tensor, reference: torch.Tensor) -> float:
     """|private top-k intersect reference top-k| / k."""
     k = int(reference.sum())
@@ -273,7 +278,7 @@ class _PrototypeMechanism(Mechanism):
             return (
                 (noisy_sum / denom)[keep],
                 built.classes[keep.cpu()],
-                noisy_n.round().long().cpu()[keep.cpu()],
+                noisy_n.round().clamp_min(1.0).long().cpu()[keep.cpu()],
                 (self.config.clip / denom.squeeze(1)).cpu()[keep.cpu()],
                 (std_sum / denom)[keep],
             )
@@ -294,6 +299,7 @@ class _PrototypeMechanism(Mechanism):
         dtype: torch.dtype,
         events: list[dict[str, Any]],
         info: dict[str, float],
+        diagnostics: dict[str, float] | None = None,
     ) -> Release:
         protos, classes, counts, sens, std = self._noisy(built, generator, dtype)
         if built.protos.shape[0] > 0:
@@ -308,6 +314,7 @@ class _PrototypeMechanism(Mechanism):
             mechanism=self.name,
             events=events,
             info={"sigma": float(self.sigma), **info},
+            diagnostics=dict(diagnostics or {}),
         )
 
     @staticmethod
@@ -513,6 +520,8 @@ class VPP(_PrototypeMechanism):
         """Scores mapped into [0, H] (per-coordinate sensitivity <= H by the range bound).
         paper/once: clip(S, 0, H); normalized: H * S / max(S)."""
         h = self.config.vpp_score_max
+        # a non-finite score (features of huge magnitude) must never win the selection
+        raw = torch.nan_to_num(raw, nan=0.0, posinf=0.0, neginf=0.0)
         if self.config.vpp_variant in ("normalized", "normalized_once"):
             top = float(raw.max()) if raw.numel() else 0.0
             return raw.clamp_min(0.0) * (h / top) if top > 0 else torch.zeros_like(raw)
@@ -629,6 +638,7 @@ class VPP(_PrototypeMechanism):
         self._check(features, labels, num_classes, client)
         self._charge(client)
         info: dict[str, float] = {"k": float(self.k)}
+        diagnostics: dict[str, float] = {}
         events: list[dict[str, Any]] = []
         if features.shape[0] == 0:
             mask = torch.zeros(self.dim, dtype=torch.bool)
@@ -636,8 +646,8 @@ class VPP(_PrototypeMechanism):
         else:
             raw = self.scores(features, labels, num_classes)
             mask, events = self._select(raw, generator, client, num_classes)
-            # diagnostic on private data, outside the DP guarantee (simulation only)
-            info["partition_overlap"] = partition_overlap(mask, topk_mask(raw, self.k))
+            # computed on private data, outside the DP guarantee: local-only
+            diagnostics["partition_overlap"] = partition_overlap(mask, _reference_topk(raw, self.k))
             info["selected"] = float(bool(events))
         built = self._build(features, labels, num_classes, mask.to(features.device), cluster_fn)
         self._warn_small(built, client)
@@ -648,6 +658,7 @@ class VPP(_PrototypeMechanism):
             dtype=self._dtype(features),
             events=events,
             info=info,
+            diagnostics=diagnostics,
         )
         self._remember(client, release, num_classes)
         return release
@@ -909,6 +920,7 @@ def _private_block(
     m, d = len(sizes), mech.dim
     dtype = mech._dtype(features[0])
     infos: list[dict[str, float]] = [{} for _ in range(m)]
+    diags: list[dict[str, float]] = [{} for _ in range(m)]
     events: list[list[dict[str, Any]]] = [[] for _ in range(m)]
     # --- partitions (VPP selection, IGPP's optional random group clip) -------------------
     if isinstance(mech, VPP):
@@ -944,10 +956,10 @@ def _private_block(
                 events[i] = [{"kind": "pure", "epsilon": mech.budget.eps_select}]
         has = [i for i in range(m) if sizes[i] > 0]
         if has:
-            ref = _topk_masks(raw[has], mech.k)
+            ref = _topk_masks(torch.nan_to_num(raw[has], nan=0.0, posinf=0.0, neginf=0.0), mech.k)
             overlap = ((masks[has] & ref).sum(dim=1).double() / max(mech.k, 1)).tolist()
             for j, i in enumerate(has):
-                infos[i]["partition_overlap"] = overlap[j]
+                diags[i]["partition_overlap"] = overlap[j]
                 infos[i]["selected"] = float(bool(events[i]))
         clipped = clip_groups(x, masks[seg], mech.radius_a, mech.radius_b)
         unit = torch.where(
@@ -1012,6 +1024,7 @@ def _private_block(
             mechanism=mech.name,
             events=ev,
             info={"sigma": float(mech.sigma), **infos[i]},
+            diagnostics=diags[i],
         )
         start = stop
         if isinstance(mech, VPP):

@@ -36,4 +36,7 @@ def print_summary(summary: Mapping[str, Any], run_dir: str, console: Console | N
             f"privacy: max epsilon spent over clients = {worst:.3f} "
             f"(delta={summary['privacy'].get('delta')})"
         )
+    guarantee = summary.get("privacy", {}).get("guarantee")
+    if isinstance(guarantee, dict) and guarantee.get("statement"):
+        console.print(f"guarantee: {guarantee['statement']}", markup=False)
     console.print(f"run folder: {run_dir}")

@@ -225,6 +225,14 @@ def _try_figure(
 def _privacy_section(doc: Doc, rec: RunRecord) -> None:
     priv = dict(rec.summary.get("privacy") or {})
     spent = priv.pop("epsilon_spent", None)
+    guarantee = priv.pop("guarantee", None)
+    if isinstance(guarantee, dict) and guarantee.get("statement"):
+        doc.h3("What the guarantee covers (per client)")
+        doc.p(str(guarantee["statement"]))
+        rows = [[k, _fmt(guarantee[k])] for k in ("noise_key", "noise_key_note") if k in guarantee]
+        rows += [["not covered", str(g)] for g in guarantee.get("not_covered", [])]
+        rows += [["outside scope", str(g)] for g in guarantee.get("outside_scope", [])]
+        doc.rows(["", ""], rows)
     doc.rows(["key", "value"], [[k, _fmt(v)] for k, v in priv.items()])
     if isinstance(spent, dict) and spent:
         doc.h3("Privacy ledger: epsilon spent per client (whole run)")

@@ -42,6 +42,8 @@ from flwr.clientapp import ClientApp
 
 from protofl.config import ExperimentConfig
 from protofl.engine.flower.codec import (
+    DIAGNOSTIC_RECORD,
+    check_wire,
     decode_global_state,
     encode_upload,
     finite_metrics,
@@ -51,11 +53,16 @@ from protofl.engine.flower.codec import (
 )
 from protofl.engine.simulation import EVAL_BATCH, Client, Simulation
 from protofl.methods.base import Upload
+from protofl.privacy.noise import INSECURE_OPT_OUT, resolve_noise_mode, secret_seed
 
 log = logging.getLogger(__name__)
 
 STATE_KEY = "protofl"
 """Key of the client's saved state in ``context.state``."""
+
+STATE_DIR_KEY = "state-dir"
+"""Node-config key: a folder on the node where the client keeps its state (model, ledger,
+release counters, noise key and stream) across SuperNode restarts; never sent anywhere."""
 
 CONFIG_KEY = "protofl-config"
 """Run-config key holding the experiment config as JSON."""
@@ -138,6 +145,7 @@ def client_state(sim: Simulation, c: Client) -> dict[str, Any]:
         "noise_gen": c.noise_gen.get_state(),
         "dcr": None if c.dcr is None else c.dcr.state_dict(),
         "mechanism": _own_mechanism_state(mech, c.data.name),
+        "public_count": sim.public_counts.get(c.data.client),
     }
 
 
@@ -156,6 +164,62 @@ def load_client_state(sim: Simulation, c: Client, state: dict[str, Any]) -> None
         c.dcr.load_state_dict(state["dcr"])
     if hasattr(sim.mechanism, "load_state_dict"):
         sim.mechanism.load_state_dict(state["mechanism"])
+    if state.get("public_count") is not None:
+        sim.public_counts[c.data.client] = int(state["public_count"])
+    else:
+        sim.public_counts.pop(c.data.client, None)
+
+
+def node_flag(node_config: Any, key: str) -> bool:
+    """A boolean node-config entry (``true``/``1``/``yes``, or a bool)."""
+    value = node_config.get(key, False)
+    return value is True or str(value).strip().lower() in ("true", "1", "yes")
+
+
+def load_node_state(path: Path) -> dict[str, Any] | None:
+    """The client state saved on this node by :func:`save_node_state` (None if there is none)."""
+    if not path.exists():
+        return None
+    try:
+        return unpack_state(ArrayRecord({"state": _bytes_array(path.read_bytes())}))
+    except Exception as exc:
+        raise ValueError(f"{path}: the node's saved client state cannot be read ({exc})") from None
+
+
+def save_node_state(path: Path, state: dict[str, Any]) -> None:
+    """Write the client state atomically into the node's state folder (node-local, 0600)."""
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = pack_state(state)["state"].numpy().tobytes()  # type: ignore[union-attr]
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _bytes_array(data: bytes) -> Any:
+    import numpy as np
+    from flwr.app import Array
+
+    return Array(np.frombuffer(data, dtype=np.uint8).copy())
+
+
+def fresh_client_state(
+    sim: Simulation, runtime_initial: dict[str, Any], mode: str
+) -> dict[str, Any]:
+    """A client's state at its first start: the config's initial state, with a noise key drawn
+    on this node from the operating system in ``secret`` mode (never derived from the config)."""
+    import copy
+
+    state = copy.deepcopy(runtime_initial)
+    if mode == "secret":
+        state["noise_gen"] = torch.Generator().manual_seed(secret_seed()).get_state()
+    state["noise_key"] = mode
+    return state
 
 
 @torch.no_grad()
@@ -205,7 +269,11 @@ def _hello(sim: Simulation, c: Client, msg: Message) -> RecordDict:
                     "name": d.name,
                     "domain": d.domain,
                     "domain-name": d.domain_name,
-                    "num-samples": d.num_train,
+                    **(
+                        {"num-samples": d.num_train}
+                        if sim.counts_public
+                        else {}  # add_remove with noisy counts: the exact count stays here
+                    ),
                     "num-test": len(d.test_y),
                     "num-clients": len(sim.clients),
                     "num-classes": sim.data.num_classes,
@@ -213,6 +281,7 @@ def _hello(sim: Simulation, c: Client, msg: Message) -> RecordDict:
                     "has-holdout": sim.data.holdout is not None,
                     "method": sim.method.name,
                     "mechanism": sim.mechanism.name,
+                    "noise-key": sim.noise_mode,
                 }
             )
         }
@@ -225,8 +294,10 @@ def _release(sim: Simulation, c: Client, msg: Message) -> RecordDict:
     sim.releases.clear()
     content = encode_upload(upload)
     content["metrics"] = finite_metrics(
-        {"num-examples": c.data.num_train, "client-epsilon": c.ledger.epsilon_spent()}
+        {"num-examples": upload.num_samples, "client-epsilon": c.ledger.epsilon_spent()}
     )
+    if sim.diagnostics and upload.release is not None and upload.release.diagnostics:
+        content[DIAGNOSTIC_RECORD] = finite_metrics(upload.release.diagnostics)
     return content
 
 
@@ -240,11 +311,13 @@ def _train(sim: Simulation, c: Client, msg: Message) -> RecordDict:
         client=c.data.client,
         domain=c.data.domain,
         release=None,
-        num_samples=c.data.num_train,
+        num_samples=sim.public_count(c),
         weights=weights,
     )
     content = encode_upload(upload)
-    content["metrics"] = MetricRecord({"train-loss": float(loss), "num-examples": c.data.num_train})
+    content["metrics"] = MetricRecord({"num-examples": upload.num_samples})
+    if sim.diagnostics:  # the training loss is computed on private data: simulation only
+        content[DIAGNOSTIC_RECORD] = finite_metrics({"train-loss": float(loss)})
     return content
 
 
@@ -271,10 +344,19 @@ def _run(
     context: Context,
     config: ExperimentConfig | None,
     home: Path | None,
+    deployment: bool,
 ) -> Message:
     cfg = config if config is not None else config_from_run_config(context.run_config)
+    # the noise key is this node's decision: the server's config cannot make it derived
+    mode = resolve_noise_mode(
+        cfg.privacy.noise_seed,
+        deployment=deployment,
+        opt_out=node_flag(context.node_config, INSECURE_OPT_OUT),
+    )
     runtime = get_runtime(cfg, home)
     sim = runtime.sim
+    sim.noise_mode = mode
+    sim.diagnostics = not deployment
     pid = int(context.node_config.get("partition-id", -1))  # type: ignore[call-overload]
     if not 0 <= pid < len(sim.clients):
         raise ValueError(
@@ -283,46 +365,72 @@ def _run(
         )
     c = sim.clients[pid]
     rnd = _server_round(msg)
+    state_dir = str(context.node_config.get(STATE_DIR_KEY, "") or "")
+    state_file = Path(state_dir) / f"protofl-client-{pid}.pt" if state_dir else None
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.run.threads or 1)
     try:
         if STATE_KEY in context.state:
-            load_client_state(sim, c, unpack_state(context.state[STATE_KEY]))  # type: ignore[arg-type]
+            saved: dict[str, Any] | None = unpack_state(context.state[STATE_KEY])  # type: ignore[arg-type]
         else:
-            load_client_state(sim, c, runtime.initial[pid])
+            saved = load_node_state(state_file) if state_file is not None else None
+        if saved is None:
+            saved = fresh_client_state(sim, runtime.initial[pid], mode)
+        elif saved.get("noise_key", mode) != mode:
+            raise ValueError(
+                f"node {context.node_id}: its saved client state uses the {saved['noise_key']} "
+                f"noise key, this run asks for {mode}; a run never changes its noise key"
+            )
+        load_client_state(sim, c, saved)
         sim.round = max(rnd - 1, 0)
         try:
             content = handler(sim, c, msg)
+            check_wire(phase, content, diagnostics=sim.diagnostics)
         except Exception as exc:
             raise RuntimeError(
                 f"client {c.data.name!r} (partition {pid}), round {rnd}, {phase}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        context.state[STATE_KEY] = pack_state(client_state(sim, c))
+        state = {**client_state(sim, c), "noise_key": mode}
+        context.state[STATE_KEY] = pack_state(state)
+        if state_file is not None:
+            save_node_state(state_file, state)
     finally:
         torch.set_num_threads(threads)
     return Message(content=content, reply_to=msg)
 
 
-def make_client_app(config: ExperimentConfig | None = None, home: Path | None = None) -> ClientApp:
+def make_client_app(
+    config: ExperimentConfig | None = None,
+    home: Path | None = None,
+    *,
+    deployment: bool | None = None,
+) -> ClientApp:
     """A ClientApp running protofl's client; ``config`` None: read it from the run config
-    (``protofl-config`` / ``protofl-set``), as apps launched by ``flwr run`` do."""
+    (``protofl-config`` / ``protofl-set``), as apps launched by ``flwr run`` do.
+
+    ``deployment`` (default: when ``config`` is None, i.e. the shipped app components): every
+    client keeps a secret noise key (``privacy.noise_seed: derived`` is refused unless the
+    node config sets ``insecure-derived-noise-key=true``) and sends no diagnostics computed on
+    its private data.  protofl's own Flower simulation passes ``deployment=False``.
+    """
     app = ClientApp()
+    deployed = config is None if deployment is None else deployment
 
     @app.query("hello")
     def hello(msg: Message, context: Context) -> Message:
-        return _run(_hello, "hello", msg, context, config, home)
+        return _run(_hello, "hello", msg, context, config, home, deployed)
 
     @app.train("release")
     def release(msg: Message, context: Context) -> Message:
-        return _run(_release, "release", msg, context, config, home)
+        return _run(_release, "release", msg, context, config, home, deployed)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        return _run(_train, "train", msg, context, config, home)
+        return _run(_train, "train", msg, context, config, home, deployed)
 
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
-        return _run(_evaluate, "evaluate", msg, context, config, home)
+        return _run(_evaluate, "evaluate", msg, context, config, home, deployed)
 
     return app

@@ -36,9 +36,110 @@ from protofl.privacy.base import Release
 RELEASE_KEYS = ("prototypes", "classes", "counts", "sensitivity", "noise_std")
 """The tensors of one release, in the ``"release"`` ArrayRecord."""
 
+RELEASED = "released by the privacy mechanism (noisy, charged)"
+PUBLIC = "public: calibration facts or registration declared public"
+COUNTS = "sample count: public under replace_one and add_remove with public counts"
+EVALUATION = "evaluation on the test split (outside the training-data guarantee)"
+DIAGNOSTIC = "diagnostic on private data: simulation only, never sent by a deployed client"
+WEIGHTS = "model weights of a weight-sharing method (not covered by the guarantee)"
+
+WIRE_FIELDS: dict[str, dict[str, dict[str, str]]] = {
+    "hello": {
+        "hello": {
+            "partition-id": PUBLIC,
+            "name": PUBLIC,
+            "domain": PUBLIC,
+            "domain-name": PUBLIC,
+            "num-samples": COUNTS,
+            "num-test": EVALUATION,
+            "num-clients": PUBLIC,
+            "num-classes": PUBLIC,
+            "num-domains": PUBLIC,
+            "has-holdout": PUBLIC,
+            "method": PUBLIC,
+            "mechanism": PUBLIC,
+            "noise-key": PUBLIC,
+        }
+    },
+    "release": {
+        "upload": {
+            "partition-id": PUBLIC,
+            "domain": PUBLIC,
+            "num-samples": COUNTS,
+            "has-release": PUBLIC,
+            "mechanism": PUBLIC,
+            "events": RELEASED,
+        },
+        "release": dict.fromkeys(RELEASE_KEYS, RELEASED),
+        "release-info": {"sigma": PUBLIC, "k": PUBLIC, "selected": RELEASED},
+        "metrics": {"num-examples": COUNTS, "client-epsilon": RELEASED},
+        "diagnostics": {"partition_overlap": DIAGNOSTIC},
+    },
+    "train": {
+        "upload": {
+            "partition-id": PUBLIC,
+            "domain": PUBLIC,
+            "num-samples": COUNTS,
+            "has-release": PUBLIC,
+        },
+        "weights": {"*": WEIGHTS},
+        "metrics": {"num-examples": COUNTS},
+        "diagnostics": {"train-loss": DIAGNOSTIC},
+    },
+    "evaluate": {
+        "metrics": {
+            "partition-id": PUBLIC,
+            "accuracy": EVALUATION,
+            "num-examples": EVALUATION,
+            "holdout-accuracy": EVALUATION,
+        }
+    },
+}
+"""Every field a client may send, per reply: record -> key -> why it may leave the client.
+:func:`check_wire` enforces it on both ends (``"*"``: any key, for model weights)."""
+
+DIAGNOSTIC_RECORD = "diagnostics"
+
 
 class CodecError(ValueError):
     """A record could not be decoded; the message is the reason the reply is rejected."""
+
+
+def wire_fields(content: Any) -> set[str]:
+    """Every ``record.key`` a reply carries (``weights.*`` for model weights), for the record of
+    what the server received."""
+    out: set[str] = set()
+    if not isinstance(content, RecordDict):
+        return out
+    for name, record in content.items():
+        if name == "weights":
+            out.add("weights.*")
+            continue
+        out.update(f"{name}.{key}" for key in record)
+    return out
+
+
+def check_wire(phase: str, content: Any, *, diagnostics: bool = False) -> None:
+    """Raise CodecError naming the first record or field of ``content`` outside the allow-list
+    of ``phase`` (:data:`WIRE_FIELDS`).  ``diagnostics``: the local-only diagnostics record is
+    allowed (simulation); a deployed client never sends it and its server refuses it."""
+    allowed = WIRE_FIELDS[phase]
+    if not isinstance(content, RecordDict):
+        raise CodecError(f"{phase} reply content is {type(content).__name__}, not a RecordDict")
+    for name, record in content.items():
+        if name not in allowed or (name == DIAGNOSTIC_RECORD and not diagnostics):
+            raise CodecError(
+                f"{phase} reply carries record {name!r}, which is not allowed on the wire"
+            )
+        fields = allowed[name]
+        if "*" in fields:
+            continue
+        for key in record:
+            if key not in fields:
+                raise CodecError(
+                    f"{phase} reply field {name}[{key!r}] is not allowed on the wire "
+                    f"(allowed: {', '.join(fields)})"
+                )
 
 
 # ----- tensors --------------------------------------------------------------------------------

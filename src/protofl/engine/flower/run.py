@@ -63,7 +63,7 @@ def run_flower_simulation(
         # build (and disk-cache) the data once here: it tells how many SuperNodes to start
         num_clients = len(build_federated_data(config, home).clients)
         outcome = ServerOutcome()
-        client_app = make_client_app(config, home)
+        client_app = make_client_app(config, home, deployment=False)
         if backend == "inline":
             from protofl.engine.flower.inline import InlineGrid
             from protofl.engine.flower.server_app import run_flower_server
@@ -81,6 +81,7 @@ def run_flower_simulation(
                 round_timeout=round_timeout,
                 wait_timeout=60.0,
                 outcome=outcome,
+                diagnostics=True,
             )
         else:
             if silent_nodes:
@@ -88,7 +89,12 @@ def run_flower_simulation(
             from flwr.simulation import run_simulation
 
             server_app = make_server_app(
-                config, out=out, min_nodes=num_clients, round_timeout=round_timeout, outcome=outcome
+                config,
+                out=out,
+                min_nodes=num_clients,
+                round_timeout=round_timeout,
+                outcome=outcome,
+                diagnostics=True,
             )
             run_simulation(
                 server_app=server_app,

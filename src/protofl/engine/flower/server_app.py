@@ -53,8 +53,10 @@ def build_summary(config: ExperimentConfig, strategy: ProtoStrategy) -> dict[str
                 **strategy.mechanism.describe(),
                 **strategy.privacy_status(),
                 "dcr": config.privacy.use_dcr,
+                "guarantee": strategy.guarantee(),
             },
             "engine": "flower",
+            "wire_fields": {k: sorted(v) for k, v in sorted(strategy.wire_seen.items())},
             "rejected_total": sum(len(h.rejected) for h in strategy.history),
             "units": "accuracies are fractions in [0, 1]; tables show percentages",
             "environment": environment(),
@@ -78,6 +80,7 @@ def make_server_app(
     wait_timeout: float | None = None,
     outcome: ServerOutcome | None = None,
     on_round: Callable[[RoundMetrics], None] | None = None,
+    diagnostics: bool = False,
 ) -> ServerApp:
     """A ServerApp running ``ProtoStrategy``.
 
@@ -104,6 +107,7 @@ def make_server_app(
             wait_timeout=float(wait) if wait is not None else DEFAULT_WAIT_TIMEOUT,  # type: ignore[arg-type]
             outcome=outcome,
             on_round=on_round,
+            diagnostics=diagnostics,
         )
 
     return app
@@ -119,6 +123,7 @@ def run_flower_server(
     wait_timeout: float,
     outcome: ServerOutcome | None = None,
     on_round: Callable[[RoundMetrics], None] | None = None,
+    diagnostics: bool = False,
 ) -> ServerOutcome:
     """Run the strategy on ``grid``; write ``config.yaml``, ``metrics.jsonl`` and
     ``summary.json`` into a new run folder under ``out`` (when given)."""
@@ -145,6 +150,7 @@ def run_flower_server(
         round_timeout=round_timeout,
         wait_timeout=wait_timeout,
         on_round=record,
+        diagnostics=diagnostics,
     )
     outcome.strategy = strategy
     strategy.start(grid=grid)

@@ -44,12 +44,15 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from protofl.config import ExperimentConfig
 from protofl.engine.flower.codec import (
+    DIAGNOSTIC_RECORD,
     CodecError,
+    check_wire,
     claimed_partition,
     claimed_release_facts,
     decode_upload,
     encode_global_state,
     tensors_to_record,
+    wire_fields,
 )
 from protofl.engine.simulation import RoundMetrics, Simulation, derive_seed
 from protofl.methods import create_method
@@ -76,6 +79,7 @@ class NodeInfo:
     domain_name: str
     num_samples: int
     has_holdout: bool = False
+    noise_key: str = "unknown"
 
 
 @dataclass
@@ -109,8 +113,13 @@ class ProtoStrategy(Strategy):
         wait_timeout: float = 300.0,
         on_round: Callable[[RoundMetrics], None] | None = None,
         poll_interval: float = 0.5,
+        diagnostics: bool = False,
     ) -> None:
         self.config = config
+        # accept the clients' local-only diagnostics record (protofl's own simulation only)
+        self.diagnostics = diagnostics
+        # every record.key the server received, per phase (the run record of what left clients)
+        self.wire_seen: dict[str, set[str]] = {}
         self.min_nodes = min_nodes
         self.round_timeout = float(round_timeout)
         self.wait_timeout = float(wait_timeout)
@@ -170,8 +179,10 @@ class ProtoStrategy(Strategy):
         members: list[tuple[int, Upload]] = []
         for node, msg in self._good_replies(replies, "train", server_round):
             try:
+                check_wire("train", msg.content, diagnostics=self.diagnostics)
                 up = decode_upload(msg.content, client=node.partition)
-                loss = float(msg.content["metrics"]["train-loss"])  # type: ignore[index, arg-type]
+                diag = msg.content.get(DIAGNOSTIC_RECORD, MetricRecord())
+                loss = float(diag.get("train-loss", math.nan))  # type: ignore[union-attr, arg-type]
             except (CodecError, KeyError, TypeError, ValueError) as exc:
                 self._reject("train", node, msg, str(exc))
                 continue
@@ -191,7 +202,7 @@ class ProtoStrategy(Strategy):
             members.append((node.partition, up))
         losses.sort()
         self._trained = [p for p, _ in losses]
-        self._losses = [v for _, v in losses]
+        self._losses = [v for _, v in losses if math.isfinite(v)]
         self.avg_weights = None
         if self.method is not None and self.method.shares_weights and members:
             self.avg_weights = self._average_weights(sorted(members, key=lambda m: m[0]))
@@ -269,6 +280,7 @@ class ProtoStrategy(Strategy):
                     self._reject("release", node, msg, f"unreadable privacy events: {exc}")
                     continue
             try:
+                check_wire("release", msg.content, diagnostics=self.diagnostics)
                 up = decode_upload(msg.content, client=node.partition)
             except CodecError as exc:
                 self._reject("release", node, msg, f"malformed record: {exc}")
@@ -283,8 +295,9 @@ class ProtoStrategy(Strategy):
             if reason is not None:
                 self._reject("release", node, msg, reason)
                 continue
-            if up.release is not None and "partition_overlap" in up.release.info:
-                overlaps.append(up.release.info["partition_overlap"])
+            diag = msg.content.get(DIAGNOSTIC_RECORD)
+            if isinstance(diag, MetricRecord) and "partition_overlap" in diag:
+                overlaps.append(float(diag["partition_overlap"]))  # type: ignore[arg-type]
             accepted.append(up)
         accepted.sort(key=lambda u: u.client)  # the simulator's order: aggregation is bitwise equal
         self._partition_overlap = overlaps
@@ -399,6 +412,7 @@ class ProtoStrategy(Strategy):
             if msg.has_error():
                 log.warning("node %d: registration failed: %s", node_id, msg.error.reason)
                 continue
+            self.wire_seen.setdefault("hello", set()).update(wire_fields(msg.content))
             try:
                 h = msg.content["hello"]
                 info = NodeInfo(
@@ -407,8 +421,10 @@ class ProtoStrategy(Strategy):
                     name=str(h["name"]),
                     domain=int(h["domain"]),  # type: ignore[arg-type]
                     domain_name=str(h["domain-name"]),
-                    num_samples=int(h["num-samples"]),  # type: ignore[arg-type]
+                    # absent under add_remove with noisy counts (the exact count is private)
+                    num_samples=int(h.get("num-samples", 0)),  # type: ignore[call-overload, arg-type]
                     has_holdout=bool(h.get("has-holdout", False)),
+                    noise_key=str(h.get("noise-key", "unknown")),
                 )
                 num_clients = int(h["num-clients"])  # type: ignore[arg-type]
                 num_classes = int(h["num-classes"])  # type: ignore[arg-type]
@@ -558,6 +574,7 @@ class ProtoStrategy(Strategy):
                 self._log.add(phase, node, node_id, reason)
                 self._failed.add(node_id)
                 continue
+            self.wire_seen.setdefault(phase, set()).update(wire_fields(msg.content))
             out.append((node, msg))
         return out
 
@@ -579,7 +596,8 @@ class ProtoStrategy(Strategy):
         keys = set(ups[0].weights or {})
         ok = [u for u in ups if set(u.weights or {}) == keys]
         weights = torch.tensor([u.num_samples for u in ok], dtype=torch.float64)
-        weights = weights / weights.sum()
+        total = float(weights.sum())
+        weights = weights / total if total > 0 else torch.full_like(weights, 1.0 / len(ok))
         states = [u.weights or {} for u in ok]
         first = states[0]
         return {
@@ -611,6 +629,25 @@ class ProtoStrategy(Strategy):
             participants=[by_partition[p].name for p in self._trained],
             rejected=list(self._log.rejected),
         )
+
+    def guarantee(self) -> dict[str, Any]:
+        """The run's per-client guarantee (:func:`~protofl.privacy.guarantee.describe_guarantee`)
+        with the noise-key mode each client reported; a client that reported none, or a
+        derived key, counts as derived (the conservative reading)."""
+        from protofl.privacy.guarantee import describe_guarantee
+
+        per_client = {n.name: n.noise_key for n in self._sorted_nodes()}
+        mode = "secret" if per_client and set(per_client.values()) == {"secret"} else "derived"
+        out = describe_guarantee(
+            self.config.privacy,
+            noise_key=mode,
+            rounds=self.config.federation.rounds,
+            clustered=self.method is not None and self.method.cluster_fn() is not None,
+            shares_weights=self.method is not None and self.method.shares_weights,
+            uses_prototypes=self.method is None or self.method.uses_prototypes,
+        )
+        out["noise_key_per_client"] = per_client
+        return out
 
     def privacy_status(self) -> dict[str, Any]:
         """Epsilon charged per client for what left it (the simulator's ``privacy_status``)."""

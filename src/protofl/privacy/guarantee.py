@@ -1,0 +1,94 @@
+"""What a run's privacy guarantee covers, stated per client, for summary.json, console and report.
+
+A printed (epsilon, delta) is only as good as what travels around the mechanism.  The
+statement names the neighbouring relation, the noise-key mode and every part of what leaves a
+client that the guarantee does not cover, so it is never read as stronger than what is proven.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protofl.privacy.config import PrivacyConfig
+from protofl.privacy.noise import NOISE_KEY_NOTES
+
+CLUSTER_GAP = (
+    "cluster membership: the clusters are chosen from the private features (local FINCH) and "
+    "their sizes are released exactly; replacing one example can change other examples' "
+    "clusters and the sizes, so the stated epsilon holds only for a fixed assignment "
+    "(fedplvm local_clustering=false releases class means and is covered)"
+)
+WEIGHTS_GAP = "model weights: the method uploads trained weights without noise"
+DERIVED_GAP = (
+    "the noise itself: the noise key is derived from the config, so whoever holds the config "
+    "(the server) can regenerate and remove it"
+)
+EVALUATION_SCOPE = (
+    "the test split: per-client accuracy and test-set size are reported for evaluation; the "
+    "guarantee protects the training data"
+)
+
+
+def describe_guarantee(
+    config: PrivacyConfig,
+    *,
+    noise_key: str,
+    rounds: int,
+    clustered: bool = False,
+    shares_weights: bool = False,
+    uses_prototypes: bool = True,
+) -> dict[str, Any]:
+    """The per-client guarantee of a run, with what it does not cover.
+
+    ``noise_key``: the resolved mode (``derived``/``secret``); ``clustered``: releases are per
+    data-dependent cluster; ``shares_weights``: the method uploads model weights.
+    """
+    gaps: list[str] = []
+    if shares_weights:
+        gaps.append(WEIGHTS_GAP)
+    if config.base_mechanism == "none" or not uses_prototypes:
+        return {
+            "epsilon": None,
+            "delta": None,
+            "noise_key": noise_key,
+            "complete": False,
+            "holds_against_server": False,
+            "not_covered": gaps or ["everything: no privacy mechanism"],
+            "outside_scope": [EVALUATION_SCOPE],
+            "statement": "no privacy guarantee (mechanism none)"
+            if uses_prototypes
+            else "no privacy guarantee (the method releases no prototypes)",
+        }
+    if clustered:
+        gaps.append(CLUSTER_GAP)
+    if noise_key == "derived":
+        gaps.append(DERIVED_GAP)
+    complete = not gaps
+    counts = {
+        "replace_one": "class counts released exactly (public under replace-one)",
+        "add_remove": "class counts public by assumption"
+        if config.addremove_counts == "public"
+        else "class counts released with noise and charged",
+    }[config.neighbouring]
+    statement = (
+        f"({config.epsilon:g}, {config.delta:g})-local DP per client over the whole run "
+        f"({rounds} releases), {config.neighbouring}, noise key {noise_key}"
+    )
+    statement += (
+        "; complete" if complete else "; NOT covered: " + "; ".join(g.split(":")[0] for g in gaps)
+    )
+    return {
+        "epsilon": config.epsilon,
+        "delta": config.delta,
+        "rounds": rounds,
+        "neighbouring": config.neighbouring,
+        "counts": counts,
+        "noise_key": noise_key,
+        "noise_key_note": NOISE_KEY_NOTES[noise_key],
+        "covers": "every prototype release of the client's training data over the run",
+        "not_covered": gaps,
+        "outside_scope": [EVALUATION_SCOPE],
+        "complete": complete,
+        "holds_against_server": complete,
+        "statement": statement,
+    }
