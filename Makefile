@@ -29,8 +29,8 @@ demo: $(STAMP)
 	$(VENV)/bin/protofl run
 
 lint: $(TESTSTAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
 
 typecheck: $(TESTSTAMP)
 	$(VENV)/bin/mypy src/protofl

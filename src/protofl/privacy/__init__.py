@@ -4,6 +4,7 @@ from protofl.privacy import mechanisms as _mechanisms  # noqa: F401  (registers 
 from protofl.privacy.accounting import calibrate_gaussian, calibrate_vpp, epsilon_spent
 from protofl.privacy.base import MECHANISM_REGISTRY, Mechanism, Release, create_mechanism
 from protofl.privacy.config import PrivacyConfig
+from protofl.privacy.facade import PrototypePrivacy
 from protofl.privacy.mechanisms import IGPP, VPP
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "VPP",
     "Mechanism",
     "PrivacyConfig",
+    "PrototypePrivacy",
     "Release",
     "calibrate_gaussian",
     "calibrate_vpp",

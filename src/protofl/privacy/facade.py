@@ -1,0 +1,215 @@
+"""``PrototypePrivacy``: the VPDR plug-in in front of anyone's federated-learning code.
+
+One object per client, in the spirit of Opacus' ``PrivacyEngine``: it calibrates the mechanism
+once for the whole run, owns the client's noise key (secret by default), releases noisy
+prototypes and charges its ledger, refuses a release past the budget, reports the epsilon
+spent, offers the DCR hooks for the user's training step, and round-trips through
+``state_dict``/``load_state_dict`` so the user's checkpoint carries it::
+
+    privacy = PrototypePrivacy(epsilon=1.0, rounds=20, mechanism="vpdr")
+    for rnd in range(20):
+        dcr = privacy.dcr(head)                      # once (VPDR Sec. 4.3); None without DCR
+        for x, y in loader:                          # the user's local step
+            f_raw = adapter(backbone(x)); f = dcr.soft_clip(f_raw); logits = head(f)
+            loss = ce(logits, y) + my_proto_loss(f, y) + dcr.kd_loss(f_raw, logits)
+            loss.backward(); opt.step(); opt.zero_grad(); dcr.after_step(head)
+        release = privacy.release(features, labels, num_classes=10)   # noisy, charged
+        send(release.prototypes, release.classes, release.counts)
+    privacy.epsilon_spent()
+
+The numbers are protofl's own engine's: the same mechanism, the same draws in the same order
+(the tests compare a release of the facade with the engine's for the same settings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from protofl.privacy.base import ClusterFn, Mechanism, Release, create_mechanism
+from protofl.privacy.config import PrivacyConfig
+from protofl.privacy.dcr import DCR
+from protofl.privacy.guarantee import describe_guarantee
+from protofl.privacy.ledger import PrivacyLedger
+from protofl.privacy.noise import NOISE_KEY_NOTES, noise_seed, resolve_noise_mode
+
+
+class PrototypePrivacy:
+    """Calibrated prototype release, noise key, ledger and DCR of ONE client.
+
+    Build it from keyword settings (any :class:`PrivacyConfig` field: ``epsilon``, ``delta``,
+    ``mechanism`` (``igpp`` | ``vpp`` | ``vpdr``, the default), ``clip``, ``vpp_*``, ``dcr_*``
+    ...) or from ``config=PrivacyConfig(...)``; ``rounds`` is how many releases the budget must
+    cover and ``dim`` the prototype dimension.
+
+    Noise key: ``noise_seed="secret"`` (default; ``auto`` means secret here, the facade does not
+    know who else holds your config) draws the key from the operating system and never exposes
+    it; ``"derived"`` needs ``seed`` and ``client`` and reproduces protofl's engine exactly, but
+    anyone who knows (seed, client) can remove the noise.
+    """
+
+    def __init__(
+        self,
+        *,
+        rounds: int,
+        dim: int = 512,
+        config: PrivacyConfig | None = None,
+        seed: int | None = None,
+        client: int = 0,
+        name: str = "client",
+        **settings: Any,
+    ) -> None:
+        if config is not None and settings:
+            raise ValueError(
+                "pass either config=PrivacyConfig(...) or keyword settings, not both: "
+                + ", ".join(sorted(settings))
+            )
+        if config is None:
+            fields = {f.name for f in dataclasses.fields(PrivacyConfig)}
+            unknown = sorted(set(settings) - fields)
+            if unknown:
+                raise ValueError(
+                    f"unknown privacy setting(s) {unknown}; valid: {', '.join(sorted(fields))}"
+                )
+            settings.setdefault("noise_seed", "secret")
+            settings.setdefault("mechanism", "vpdr")  # the plug-in: VPP + DCR
+            config = PrivacyConfig(**settings)
+        if config.base_mechanism == "none":
+            raise ValueError("PrototypePrivacy needs a private mechanism: igpp, vpp or vpdr")
+        self.config = config
+        self.rounds = rounds
+        self.name = name
+        self.client = client
+        # the facade cannot know whether a server holds the config: auto means secret
+        self.noise_key = resolve_noise_mode(
+            "secret" if config.noise_seed == "auto" else config.noise_seed, deployment=False
+        )
+        if self.noise_key == "derived" and seed is None:
+            raise ValueError("noise_seed='derived' needs seed= (and client=) to derive the key")
+        self.mechanism: Mechanism = create_mechanism(config, rounds=rounds, dim=dim)
+        self.generator = torch.Generator().manual_seed(
+            noise_seed(self.noise_key, 0 if seed is None else seed, client)
+        )
+        self.ledger = PrivacyLedger(delta=config.delta, accountant=config.accountant)
+        self.releases_made = 0
+        self._dcr: DCR | None = None
+
+    # ----- releasing ----------------------------------------------------------------------------
+    @property
+    def sigma(self) -> float:
+        """The noise multiplier of one release (what the ledger charges)."""
+        return float(getattr(self.mechanism, "sigma", float("nan")))
+
+    def releases_left(self) -> int:
+        """How many more releases the calibrated budget covers."""
+        return self.rounds - self.releases_made
+
+    def release(
+        self,
+        features: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        num_classes: int,
+        cluster_fn: ClusterFn | None = None,
+    ) -> Release:
+        """Clip, average per class, add the calibrated noise; charge the ledger.
+
+        Refuses (RuntimeError) once ``rounds`` releases were made.  Send only the release's
+        ``prototypes``, ``classes``, ``counts`` (and, if your server validates them,
+        ``sensitivity``/``noise_std``/``events``); never its ``diagnostics``.
+        """
+        if self.releases_made >= self.rounds:
+            raise RuntimeError(
+                f"{self.name}: all {self.rounds} releases of the budget are spent "
+                f"(epsilon {self.epsilon_spent():.4g}); another one would exceed it"
+            )
+        out = self.mechanism.release(
+            features.detach(),
+            labels,
+            num_classes=num_classes,
+            generator=self.generator,
+            client=self.name,
+            cluster_fn=cluster_fn,
+        )
+        self.ledger.record(self.releases_made, out)
+        self.releases_made += 1
+        return out
+
+    def epsilon_spent(self) -> float:
+        """Epsilon at the configured delta of every release made so far (0 before the first)."""
+        eps = self.ledger.epsilon_spent()
+        return 0.0 if eps is None else float(eps)
+
+    def events(self) -> list[dict[str, Any]]:
+        """The DP events charged so far (``gaussian`` noise multipliers, ``pure`` epsilons), to
+        compose with your own mechanisms (see examples/dp_accounting_ledger.py)."""
+        return self.ledger.events()
+
+    def guarantee(self, *, shares_weights: bool = False) -> dict[str, Any]:
+        """What the guarantee covers (:func:`~protofl.privacy.guarantee.describe_guarantee`)."""
+        return describe_guarantee(
+            self.config, noise_key=self.noise_key, rounds=self.rounds, shares_weights=shares_weights
+        )
+
+    # ----- DCR ------------------------------------------------------------------------------------
+    def dcr(self, head: nn.Module) -> DCR | None:
+        """The DCR hooks for ``head`` (created once; None unless the mechanism is ``vpdr`` or
+        ``dcr=True``): ``soft_clip(f_raw)`` before the head, ``kd_loss(f_raw, logits)`` to add
+        to the loss, ``after_step(head)`` after each optimiser step.  No privacy cost."""
+        if not self.config.use_dcr:
+            return None
+        if self._dcr is None:
+            self._dcr = DCR(self.config, head)
+        return self._dcr
+
+    # ----- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything to continue exactly: ledger, release count, mechanism state, the noise
+        generator (in secret mode this holds the client's key: keep the checkpoint private),
+        DCR teacher."""
+        mech = self.mechanism.state_dict() if hasattr(self.mechanism, "state_dict") else {}
+        return {
+            "config": dataclasses.asdict(self.config),
+            "rounds": self.rounds,
+            "noise_key": self.noise_key,
+            "releases_made": self.releases_made,
+            "ledger": self.ledger.state_dict(),
+            "mechanism": mech,
+            "generator": self.generator.get_state(),
+            "dcr": None if self._dcr is None else self._dcr.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`; refuses a state made with other settings."""
+        mine = dataclasses.asdict(self.config)
+        diff = sorted(k for k in mine if state["config"].get(k) != mine[k])
+        if diff or state["rounds"] != self.rounds or state["noise_key"] != self.noise_key:
+            raise ValueError(
+                "this PrototypePrivacy state was made with other settings: "
+                + ", ".join(f"{k}: {state['config'].get(k)!r} != {mine[k]!r}" for k in diff)
+                + (
+                    f"; rounds {state['rounds']} != {self.rounds}"
+                    if state["rounds"] != self.rounds
+                    else ""
+                )
+            )
+        self.releases_made = int(state["releases_made"])
+        self.ledger.load_state_dict(state["ledger"])
+        if hasattr(self.mechanism, "load_state_dict"):
+            self.mechanism.load_state_dict(state["mechanism"])
+        self.generator.set_state(state["generator"])
+        if state.get("dcr") is not None:
+            if self._dcr is None:
+                raise ValueError("the state holds a DCR teacher: call dcr(head) before loading")
+            self._dcr.load_state_dict(state["dcr"])
+
+    def describe(self) -> dict[str, Any]:
+        """Calibration facts (sigma, accountant, budget, relation) and the noise-key mode."""
+        return {
+            **self.mechanism.describe(),
+            "noise_key": self.noise_key,
+            "noise_key_note": NOISE_KEY_NOTES[self.noise_key],
+        }

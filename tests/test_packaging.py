@@ -1,0 +1,36 @@
+"""protofl installs from a built wheel into a fresh environment, and the plug-in works there."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _sh(*cmd: str | Path, cwd: Path | None = None, timeout: float = 900) -> str:
+    res = subprocess.run(
+        [str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
+    assert res.returncode == 0, f"{cmd}: {res.stdout[-2000:]}{res.stderr[-3000:]}"
+    return res.stdout
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_alone_and_the_facade_runs(tmp_path: Path) -> None:
+    dist = tmp_path / "dist"
+    _sh(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", dist, ROOT)
+    (wheel,) = dist.glob("protofl-*.whl")
+    venv = tmp_path / "venv"
+    _sh(sys.executable, "-m", "venv", venv)
+    py = venv / "bin" / "python"
+    _sh(py, "-m", "pip", "install", "--quiet", "torch==2.13.0")  # the CPU build, as README says
+    _sh(py, "-m", "pip", "install", "--quiet", wheel)
+    where = _sh(py, "-c", "import protofl; print(protofl.__file__)", cwd=tmp_path)
+    assert str(venv) in where and str(ROOT / "src") not in where
+    out = _sh(py, ROOT / "examples" / "plain_pytorch_fedproto.py", cwd=tmp_path)
+    assert "noise key secret; complete" in out
+    assert "usage: protofl" in _sh(venv / "bin" / "protofl", "--help", cwd=tmp_path)
