@@ -548,3 +548,81 @@ def test_add_remove_with_noisy_counts_sends_no_exact_count(tmp_path: Path) -> No
     released = [int(c["upload"]["num-samples"]) for k, c in sent if k == "train.release"]
     assert not set(released) <= exact  # noisy, not the exact counts
     assert all(not m.rejected for m in outcome.history)
+
+
+# ----- a hostile node cannot take over the federation (over the real wire format) ------------
+def test_inflated_sample_counts_are_refused(tmp_path: Path) -> None:
+    def inflate(app: Any, msg: Message, ctx: Context) -> Message:
+        reply = app(msg, ctx)
+        if ctx.node_config["partition-id"] == 1 and msg.metadata.message_type == "train.release":
+            reply.content["upload"]["num-samples"] = 10**9
+            rel = reply.content["release"]
+            rel["counts"] = Array(rel["counts"].numpy() * 10**6)
+            # prototypes shrunk to lie within the norm bound of the claimed counts
+            rel["prototypes"] = Array(rel["prototypes"].numpy() * 1e-4)
+        return reply
+
+    outcome, _ = _run_inline(tmp_path, inflate, rounds=2)
+    reasons = [r["reason"] for m in outcome.history for r in m.rejected]
+    assert len(reasons) == 2 and all("claims 1000000000 samples, registered" in r for r in reasons)
+
+
+def test_inflated_weight_claims_cannot_take_over_fedavg(tmp_path: Path) -> None:
+    def inflate(app: Any, msg: Message, ctx: Context) -> Message:
+        reply = app(msg, ctx)
+        if ctx.node_config["partition-id"] == 1 and msg.metadata.message_type == "train":
+            reply.content["upload"]["num-samples"] = 10**9
+        return reply
+
+    outcome, _ = _run_inline(tmp_path, inflate, rounds=2, method="fedavg")
+    assert all(m.participants == ["red"] for m in outcome.history)  # blue's weights never count
+    assert all("registered" in m.rejected[0]["reason"] for m in outcome.history)
+
+
+def test_extra_prototype_rows_and_missing_events_are_refused_and_still_charged(
+    tmp_path: Path,
+) -> None:
+    import numpy as np
+
+    def hostile(app: Any, msg: Message, ctx: Context) -> Message:
+        reply = app(msg, ctx)
+        if ctx.node_config["partition-id"] == 1 and msg.metadata.message_type == "train.release":
+            if _round(msg) == 1:  # 20,000 rows of the same classes
+                rel = reply.content["release"]
+                reps = 20_000 // len(rel["classes"].numpy()) + 1
+                for key in ("prototypes", "classes", "counts", "sensitivity", "noise_std"):
+                    a = rel[key].numpy()
+                    tiled = np.concatenate([a] * reps)[:20_000]
+                    rel[key] = Array(tiled if key != "counts" else np.ones_like(tiled))
+            else:  # omit the privacy events: the server must still charge the release
+                reply.content["upload"]["events"] = "[]"
+        return reply
+
+    outcome, _ = _run_inline(tmp_path, hostile, rounds=3)
+    reasons = [m.rejected[0]["reason"] for m in outcome.history]
+    assert "one per class" in reasons[0]
+    assert all("the configured mechanism charges" in r for r in reasons[1:])
+    eps = outcome.history[-1].privacy["epsilon_spent"]
+    assert eps["blue"] == pytest.approx(eps["red"])  # charged as the mechanism prescribes
+
+
+def test_a_second_claim_for_a_held_partition_is_refused_and_recorded(tmp_path: Path) -> None:
+    config = tiny_config("fedproto", "igpp", rounds=1)
+    app = make_client_app(config, tmp_path)
+    grid = InlineGrid(app, 3, node_ids=[1000, 1001, 1002])
+    grid.contexts[1002].node_config["partition-id"] = 0  # a rogue node claims red's partition
+    outcome = ServerOutcome()
+    run_flower_server(
+        grid,
+        config,
+        out=None,
+        min_nodes=2,
+        round_timeout=30.0,
+        wait_timeout=10.0,
+        outcome=outcome,
+        diagnostics=True,
+    )
+    (refusal,) = [r for r in outcome.history[0].rejected if r["phase"] == "hello"]
+    assert refusal["node"] == "1002" and "already held by node 1000" in refusal["reason"]
+    assert outcome.strategy is not None
+    assert {n.node_id for n in outcome.strategy.nodes.values()} == {1000, 1001}

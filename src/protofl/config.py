@@ -18,6 +18,11 @@ from protofl.registry import nearest
 C = TypeVar("C")
 
 
+CONFIG_SCHEMA = 2
+"""Version of the config's layout; a run records it and is only resumed by the same schema
+(2: ``privacy.noise_seed``)."""
+
+
 class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names the key."""
 
@@ -210,10 +215,21 @@ class ExperimentConfig:
     def from_yaml(cls, path: str | Path) -> ExperimentConfig:
         """Read a YAML file; errors name the file and the key."""
         path = Path(path)
+        if path.is_dir():
+            hint = (
+                " (a run folder: continue it with --resume)"
+                if (path / "config.yaml").exists()
+                else ""
+            )
+            raise ConfigError(f"config file {path} is a directory, not a YAML file{hint}")
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {path} is not a text (YAML) file") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {path} cannot be read ({exc.strerror})") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
         if not isinstance(data, Mapping):

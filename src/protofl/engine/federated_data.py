@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,11 +79,7 @@ def load_dataset(config: ExperimentConfig, home: Path) -> MultiDomainDataset:
     params = inspect.signature(info.loader).parameters
     open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     kwargs: dict[str, Any] = dict(config.data.options)
-    for key in kwargs:
-        if not open_kwargs and key not in params:
-            raise ValueError(
-                f"data set {config.data.name!r} has no option {key!r} (data.options.{key})"
-            )
+    check_data_options(config.data.name, info.loader, kwargs)
 
     def offer(key: str, value: Any) -> None:
         if value is not None and (open_kwargs or key in params):
@@ -92,6 +89,37 @@ def load_dataset(config: ExperimentConfig, home: Path) -> MultiDomainDataset:
     offer("holdout_domain", config.data.holdout_domain)
     offer("protocol", data_preset(config).get("protocol"))
     return info.loader(home, config.data.root, **kwargs)
+
+
+def check_data_options(name: str, loader: Any, options: Mapping[str, Any]) -> None:
+    """Every ``data.options`` key is a parameter of the data set's loader (checked without
+    loading anything)."""
+    params = inspect.signature(loader).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    for key in options:
+        if key not in params:
+            raise ValueError(f"data set {name!r} has no option {key!r} (data.options.{key})")
+
+
+def preflight(config: ExperimentConfig) -> None:
+    """Everything about ``config`` that can be checked before a folder is made or data is
+    loaded: the data set, its options and root, the backbone and its options, the method and its
+    parameters (the mechanism and every range were checked when the config was built)."""
+    from protofl.methods import create_method
+
+    info = DATASET_REGISTRY.get(config.data.name)
+    check_data_options(config.data.name, info.loader, config.data.options)
+    if config.data.root is not None and not Path(config.data.root).exists():
+        raise ValueError(f"data.root={config.data.root!r} does not exist")
+    backbone_class(config.backbone)
+    create_method(
+        config.method.name,
+        config.method.params,
+        num_classes=10,
+        num_domains=4,
+        proto_dim=config.backbone.proto_dim,
+    )
 
 
 def client_counts(config: ExperimentConfig, dataset: str, domains: list[str]) -> dict[str, int]:

@@ -18,7 +18,14 @@ from protofl import __version__
 from protofl.config import ExperimentConfig
 from protofl.data.cache import protofl_home
 from protofl.engine.checkpoint import load_latest_checkpoint, save_checkpoint
-from protofl.engine.federated_data import FederatedData, build_federated_data
+from protofl.engine.federated_data import FederatedData, build_federated_data, preflight
+from protofl.engine.rundir import (
+    FolderLock,
+    check_resume,
+    claim_dir,
+    read_record,
+    write_record,
+)
 from protofl.engine.simulation import RoundMetrics, Simulation, summarise
 
 log = logging.getLogger("protofl")
@@ -34,17 +41,17 @@ class RunResult:
 
 
 def make_run_dir(config: ExperimentConfig, out: str | Path | None) -> Path:
-    """``<out>/<time>-<name>/`` (a unique folder)."""
+    """``<out>/<time>-<name>/`` (a unique folder, claimed atomically)."""
     root = Path(out) if out is not None else Path(config.run.out_dir)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", config.name).strip("-") or "run"
-    run_dir = root / f"{stamp}-{safe}"
-    i = 1
-    while run_dir.exists():
-        run_dir = root / f"{stamp}-{safe}-{i}"
-        i += 1
-    run_dir.mkdir(parents=True)
-    return run_dir
+    return claim_dir(root, f"{stamp}-{safe}")
+
+
+def start_run_dir(config: ExperimentConfig, run_dir: Path, *, engine: str = "sim") -> None:
+    """Write what a new run is: config.yaml (to read) and the run record (to resume against)."""
+    (run_dir / "config.yaml").write_text(config.to_yaml())
+    write_record(run_dir, config, engine=engine)
 
 
 def _attach_log(run_dir: Path) -> logging.Handler:
@@ -76,8 +83,9 @@ def run_experiment(
     data: FederatedData | None = None,
 ) -> RunResult:
     """Build the federation, run every round, and write the run folder."""
+    preflight(config)  # a bad name, option or data root fails before any folder exists
     run_dir = make_run_dir(config, out)
-    (run_dir / "config.yaml").write_text(config.to_yaml())
+    start_run_dir(config, run_dir)
     return _execute(config, run_dir, home=home, progress=progress, data=data, resume=False)
 
 
@@ -92,8 +100,12 @@ def run_in_dir(
     """Run (or, with ``resume``, continue) an experiment in a given folder (used by sweeps)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if resume:
+        check_resume(run_dir, config)
     if not (run_dir / "config.yaml").exists():
         (run_dir / "config.yaml").write_text(config.to_yaml())
+    if read_record(run_dir) is None:
+        write_record(run_dir, config)
     return _execute(config, run_dir, home=home, progress=progress, data=None, resume=resume)
 
 
@@ -105,10 +117,30 @@ def resume_experiment(
     if not (run_dir / "config.yaml").exists():
         raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
     config = ExperimentConfig.from_yaml(run_dir / "config.yaml")
+    check_resume(run_dir, config)  # an edited config.yaml is refused, naming the keys
     return _execute(config, run_dir, home=home, progress=progress, data=None, resume=True)
 
 
 def _execute(
+    config: ExperimentConfig,
+    run_dir: Path,
+    *,
+    home: Path | None,
+    progress: bool | None,
+    data: FederatedData | None,
+    resume: bool,
+) -> RunResult:
+    lock = FolderLock(run_dir, "run")
+    lock.acquire()  # one process at a time in a run folder
+    try:
+        return _execute_locked(
+            config, run_dir, home=home, progress=progress, data=data, resume=resume
+        )
+    finally:
+        lock.release()
+
+
+def _execute_locked(
     config: ExperimentConfig,
     run_dir: Path,
     *,

@@ -191,12 +191,7 @@ class Simulation:
     @property
     def counts_public(self) -> bool:
         """Whether exact sample counts are public under the neighbouring relation."""
-        p = self.config.privacy
-        return not (
-            p.base_mechanism != "none"
-            and p.neighbouring == "add_remove"
-            and p.addremove_counts == "noisy"
-        )
+        return self.config.privacy.counts_public
 
     def public_count(self, c: Client) -> int:
         """The sample count the server may use for ``c``: exact when counts are public, else the
@@ -496,6 +491,7 @@ class Simulation:
                 num_classes=self.data.num_classes,
                 dim=self.config.backbone.proto_dim,
                 norm_bound=self.mechanism.norm_bound,
+                one_per_class=self.method.cluster_fn() is None,
             )
             if reason is None:
                 accepted.append(up)

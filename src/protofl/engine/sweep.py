@@ -284,9 +284,7 @@ def _build_point(
 
 def _check_registries(points: Sequence[SweepPoint], source: str) -> None:
     """Unknown data sets, backbones, methods or method parameters fail before any run."""
-    from protofl.data import DATASET_REGISTRY
-    from protofl.methods import create_method
-    from protofl.models.backbones import backbone_class
+    from protofl.engine.federated_data import preflight
 
     checked: set[str] = set()
     for p in points:
@@ -307,30 +305,9 @@ def _check_registries(points: Sequence[SweepPoint], source: str) -> None:
             continue
         checked.add(key)
         try:
-            info = DATASET_REGISTRY.get(cfg.data.name)
-            _check_data_options(cfg.data.name, info.loader, cfg.data.options)
-            backbone_class(cfg.backbone)  # the name and backbone.options
-            create_method(
-                cfg.method.name,
-                cfg.method.params,
-                num_classes=10,
-                num_domains=4,
-                proto_dim=cfg.backbone.proto_dim,
-            )
+            preflight(cfg)
         except (ConfigError, ValueError) as exc:
             raise ConfigError(f"{source}: grid point {p.index} ({p.label()}): {exc}") from None
-
-
-def _check_data_options(name: str, loader: Any, options: Mapping[str, Any]) -> None:
-    """The same check ``load_dataset`` makes, without loading anything."""
-    import inspect
-
-    params = inspect.signature(loader).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    for key in options:
-        if key not in params:
-            raise ValueError(f"data set {name!r} has no option {key!r} (data.options.{key})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -558,11 +535,35 @@ def run_sweep(
     with one torch thread.  ``warm_cache`` first computes the frozen features of every distinct
     data set-up once in this process, so the workers only read the shared cache.
     """
+    from protofl.engine.rundir import FolderLock
+
+    sweep_dir = Path(sweep_dir) if sweep_dir is not None else plan.default_dir()
+    with FolderLock(sweep_dir, "sweep"):  # one sweep at a time in a folder
+        return _run_sweep(
+            plan,
+            sweep_dir=sweep_dir,
+            jobs=jobs,
+            home=home,
+            progress=progress,
+            warm_cache=warm_cache,
+            on_update=on_update,
+        )
+
+
+def _run_sweep(
+    plan: SweepPlan,
+    *,
+    sweep_dir: Path,
+    jobs: int | None,
+    home: Path | None,
+    progress: bool,
+    warm_cache: bool,
+    on_update: ProgressFn | None,
+) -> SweepResult:
     from protofl.data.cache import protofl_home
 
     t0 = time.perf_counter()
     home = Path(home) if home is not None else protofl_home()
-    sweep_dir = Path(sweep_dir) if sweep_dir is not None else plan.default_dir()
     sweep_dir.mkdir(parents=True, exist_ok=True)
     jobs = max(1, jobs or os.cpu_count() or 1)
     # refuse a folder that holds other runs under our names, before anything runs

@@ -23,10 +23,14 @@ def validate_upload(
     num_classes: int,
     dim: int,
     norm_bound: NormBound | None = None,
+    one_per_class: bool = False,
 ) -> str | None:
-    """Check one upload; None if valid, else the reason it is rejected."""
+    """Check one upload; None if valid, else the reason it is rejected.
+
+    ``one_per_class``: the method releases class means (not clusters), so an upload holds at
+    most one prototype per class (a hostile client cannot add weight with extra rows)."""
     try:
-        return _validate(upload, declared_domain, num_classes, dim, norm_bound)
+        return _validate(upload, declared_domain, num_classes, dim, norm_bound, one_per_class)
     except Exception as exc:  # a hostile upload must never crash the server
         return f"unreadable upload ({type(exc).__name__}: {exc})"
 
@@ -37,6 +41,7 @@ def _validate(
     num_classes: int,
     dim: int,
     norm_bound: NormBound | None,
+    one_per_class: bool,
 ) -> str | None:
     if not isinstance(upload, Upload):
         return f"not an Upload but {type(upload).__name__}"
@@ -79,6 +84,8 @@ def _validate(
         return f"class ids outside 0..{num_classes - 1}: {sorted(set(r.classes.tolist()))}"
     if k and int(r.counts.min()) < 1:
         return "a prototype claims fewer than one sample"
+    if one_per_class and k and len(set(r.classes.tolist())) != k:
+        return f"{k} prototype rows for {len(set(r.classes.tolist()))} classes; one per class"
     total = int(r.counts.sum()) if k else 0
     if total > upload.num_samples:
         return f"counts sum to {total}, more than the client's {upload.num_samples} samples"

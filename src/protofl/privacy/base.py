@@ -87,6 +87,11 @@ class Mechanism(ABC):
         """Calibration facts for the run summary (sigma, accountant, neighbouring relation)."""
         return {"mechanism": self.name}
 
+    def release_events(self, release_index: int) -> list[dict[str, Any]]:
+        """The DP events the ``release_index``-th (0-based) release of a client costs under this
+        calibration: what a server charges, whatever the client declares.  Default: none."""
+        return []
+
     def max_noise_std(self, count: int) -> float | None:
         """Largest per-dimension noise std this calibration adds to a prototype of ``count``
         samples; None when releases are not clipped (then no norm bound exists)."""

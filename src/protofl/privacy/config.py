@@ -107,6 +107,16 @@ class PrivacyConfig:
         return "vpp" if self.mechanism == "vpdr" else self.mechanism
 
     @property
+    def counts_public(self) -> bool:
+        """Whether exact sample counts are public under the neighbouring relation (all but
+        add_remove with noisy counts, where no exact count may leave a client)."""
+        return not (
+            self.base_mechanism != "none"
+            and self.neighbouring == "add_remove"
+            and self.addremove_counts == "noisy"
+        )
+
+    @property
     def use_dcr(self) -> bool:
         """Whether DCR regularises local training (``vpdr`` turns it on)."""
         return self.dcr or self.mechanism == "vpdr"

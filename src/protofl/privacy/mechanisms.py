@@ -353,6 +353,10 @@ class _PrototypeMechanism(Mechanism):
     def _max_unit_std(self) -> float:
         """Largest per-dimension entry of ``_unit_std`` over any partition."""
 
+    def release_events(self, release_index: int) -> list[dict[str, Any]]:
+        """One Gaussian event of multiplier ``sigma`` per release (VPP adds its selection)."""
+        return [{"kind": "gaussian", "noise_multiplier": self.sigma}]
+
     # --- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """JSON-safe per-client state (release counters)."""
@@ -618,6 +622,16 @@ class VPP(_PrototypeMechanism):
             noise_std=built.noise_std,
             mechanism=self.name,
         )
+
+    def release_events(self, release_index: int) -> list[dict[str, Any]]:
+        """The selection's pure event when this release selects (every release for paper and
+        normalized, the first for once variants, never for history), then the Gaussian."""
+        variant = self.config.vpp_variant
+        selects = variant in ("paper", "normalized") or (
+            variant in ("once", "normalized_once") and release_index == 0
+        )
+        pure = [{"kind": "pure", "epsilon": self.budget.eps_select}] if selects else []
+        return [*pure, {"kind": "gaussian", "noise_multiplier": self.sigma}]
 
     def group_sensitivity(self, count: int) -> tuple[float, float]:
         """(Delta_A, Delta_B) of a prototype of ``count`` examples: 2R_g/n (replace-one)."""

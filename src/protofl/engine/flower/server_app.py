@@ -127,12 +127,12 @@ def run_flower_server(
 ) -> ServerOutcome:
     """Run the strategy on ``grid``; write ``config.yaml``, ``metrics.jsonl`` and
     ``summary.json`` into a new run folder under ``out`` (when given)."""
-    from protofl.engine.runner import make_run_dir
+    from protofl.engine.runner import make_run_dir, start_run_dir
 
     outcome = outcome if outcome is not None else ServerOutcome()
     run_dir = make_run_dir(config, out) if out is not None else None
     if run_dir is not None:
-        (run_dir / "config.yaml").write_text(config.to_yaml())
+        start_run_dir(config, run_dir, engine="flower")
         (run_dir / "metrics.jsonl").write_text("")
     outcome.run_dir = run_dir
 

@@ -140,6 +140,8 @@ class ProtoStrategy(Strategy):
         self.server_gen = torch.Generator().manual_seed(derive_seed(config.seed, 4))
         self._partition_overlap: list[float] = []
         self._log = RoundLog()
+        self._pending: list[dict[str, str]] = []  # registration refusals, shown in the next round
+        self._refused: set[int] = set()  # nodes refused at registration (asked once)
         self._failed: set[int] = set()
         self._round_nodes: list[NodeInfo] = []
         self._trained: list[int] = []
@@ -192,6 +194,7 @@ class ProtoStrategy(Strategy):
                 num_classes=self.num_classes,
                 dim=self.config.backbone.proto_dim,
             )
+            reason = reason or self._registered_count_problem(node, up)
             shares = self.method is not None and self.method.shares_weights
             if reason is None and shares and up.weights is None:
                 reason = "the method shares weights but the reply has none"
@@ -261,6 +264,14 @@ class ProtoStrategy(Strategy):
         accepted: list[Upload] = []
         overlaps: list[float] = []
         for node, msg in self._good_replies(replies, "release", server_round):
+            # a release that left the client is charged, accepted or not, and with what the
+            # server's own configured mechanism costs (a client cannot omit or shrink events)
+            facts = claimed_release_facts(msg.content)
+            if facts is not None or "release" in msg.content:
+                reason = self._charge(node, server_round, facts)
+                if reason is not None:
+                    self._reject("release", node, msg, reason)
+                    continue
             claimed = claimed_partition(msg.content)
             if claimed is not None and claimed != node.partition:
                 self._reject(
@@ -270,15 +281,6 @@ class ProtoStrategy(Strategy):
                     f"claims partition {claimed}, registered as {node.partition}",
                 )
                 continue
-            # a release that left the client is charged, whether or not it is accepted
-            facts = claimed_release_facts(msg.content)
-            if facts is not None:
-                charge = SimpleNamespace(mechanism=facts[0], events=facts[1])
-                try:
-                    self.ledgers[node.partition].record(server_round - 1, charge)  # type: ignore[arg-type]
-                except (ValueError, KeyError, TypeError) as exc:
-                    self._reject("release", node, msg, f"unreadable privacy events: {exc}")
-                    continue
             try:
                 check_wire("release", msg.content, diagnostics=self.diagnostics)
                 up = decode_upload(msg.content, client=node.partition)
@@ -291,7 +293,8 @@ class ProtoStrategy(Strategy):
                 num_classes=self.num_classes,
                 dim=self.config.backbone.proto_dim,
                 norm_bound=self.mechanism.norm_bound,
-            )
+                one_per_class=self.method.cluster_fn() is None,
+            ) or self._registered_count_problem(node, up)
             if reason is not None:
                 self._reject("release", node, msg, reason)
                 continue
@@ -302,6 +305,33 @@ class ProtoStrategy(Strategy):
         accepted.sort(key=lambda u: u.client)  # the simulator's order: aggregation is bitwise equal
         self._partition_overlap = overlaps
         return self.method.aggregate(accepted, server_round - 1)
+
+    def _charge(
+        self, node: NodeInfo, server_round: int, facts: tuple[str, list[dict[str, Any]]] | None
+    ) -> str | None:
+        """Charge ``node``'s ledger for one release with the events the server's mechanism
+        prescribes; the reason to reject the reply when its declared facts disagree."""
+        ledger = self.ledgers[node.partition]
+        events = self.mechanism.release_events(len(ledger.entries))
+        charge = SimpleNamespace(mechanism=self.mechanism.name, events=events)
+        ledger.record(server_round - 1, charge)  # type: ignore[arg-type]
+        if facts is None:
+            return "a release record without readable mechanism and events"
+        mechanism, declared = facts
+        if mechanism != self.mechanism.name:
+            return f"declares mechanism {mechanism!r}, the run's is {self.mechanism.name!r}"
+        if declared != events:
+            return f"declares privacy events {declared}, the configured mechanism charges {events}"
+        return None
+
+    def _registered_count_problem(self, node: NodeInfo, up: Upload) -> str | None:
+        """A client's aggregation weight is what it registered: an upload claiming another
+        sample count is refused (under noisy add/remove counts nothing exact is registered)."""
+        if not self.config.privacy.counts_public:
+            return None
+        if up.num_samples != node.num_samples:
+            return f"claims {up.num_samples} samples, registered {node.num_samples}"
+        return None
 
     # ----- driving loop ------------------------------------------------------------------------
     def start(
@@ -329,6 +359,8 @@ class ProtoStrategy(Strategy):
             self._log = RoundLog()
             self._failed = set()
             self._register_new(grid, rnd)
+            self._log.rejected.extend(self._pending)
+            self._pending = []
             self._round_nodes = self.select(grid)
             replies = self._send(grid, self.configure_release(rnd, grid), "release", rnd)
             self.global_state = self.aggregate_release(rnd, replies)
@@ -374,7 +406,7 @@ class ProtoStrategy(Strategy):
         want = self.min_nodes or 1
         while True:
             live = sorted(grid.get_node_ids())
-            new = [n for n in live if n not in self.nodes]
+            new = [n for n in live if n not in self.nodes and n not in self._refused]
             if new:
                 self._hello(grid, new, 0)
             if self.min_nodes is None and self.num_clients:
@@ -393,7 +425,7 @@ class ProtoStrategy(Strategy):
 
     def _register_new(self, grid: Grid, rnd: int) -> None:
         live = set(grid.get_node_ids())
-        new = sorted(n for n in live if n not in self.nodes)
+        new = sorted(n for n in live if n not in self.nodes and n not in self._refused)
         if new:
             self._hello(grid, new, rnd)
 
@@ -433,11 +465,14 @@ class ProtoStrategy(Strategy):
                 log.warning("node %d: malformed registration (%s); ignored", node_id, exc)
                 continue
             if info.partition in taken:
-                log.warning(
-                    "node %d claims partition %d, already held by node %d; ignored",
-                    node_id,
-                    info.partition,
-                    taken[info.partition].node_id,
+                reason = (
+                    f"claims partition {info.partition}, already held by node "
+                    f"{taken[info.partition].node_id}"
+                )
+                log.warning("node %d %s; refused", node_id, reason)
+                self._refused.add(node_id)
+                self._pending.append(
+                    {"client": info.name, "node": str(node_id), "phase": "hello", "reason": reason}
                 )
                 continue
             if self.method is None:
