@@ -626,3 +626,37 @@ def test_a_second_claim_for_a_held_partition_is_refused_and_recorded(tmp_path: P
     assert refusal["node"] == "1002" and "already held by node 1000" in refusal["reason"]
     assert outcome.strategy is not None
     assert {n.node_id for n in outcome.strategy.nodes.values()} == {1000, 1001}
+
+
+def test_flower_runs_in_one_process_repeat_exactly(tmp_path: Path) -> None:
+    """The per-process client cache must not carry one run's state into the next (VPDR's DCR
+    teacher was aliased and drifted: training loss 1.106271 -> 1.106709 -> 1.107130)."""
+    config = tiny_config("fedproto", "vpdr", rounds=2)
+    losses = [
+        [
+            m.train_loss
+            for m in run_flower_simulation(config, home=tmp_path, backend="inline").history
+        ]
+        for _ in range(3)
+    ]
+    assert losses[0] == losses[1] == losses[2]
+
+
+def test_a_flower_run_folder_has_its_log_record_and_what_the_server_received(
+    tmp_path: Path,
+) -> None:
+    from protofl.attacks.artifacts import load_run
+    from protofl.engine.runner import resume_experiment
+
+    config = tiny_config("fedproto", "igpp", rounds=2).with_overrides(["run.save_releases=true"])
+    result = run_flower_simulation(config, home=tmp_path, backend="inline", out=tmp_path / "runs")
+    run_dir = result.run_dir
+    assert run_dir is not None
+    assert "round 2" in (run_dir / "run.log").read_text()
+    art = torch.load(run_dir / "artifacts.pt", weights_only=True)
+    assert art["engine"] == "flower" and len(art["releases"]) == 2
+    assert all(r is not None and r["diagnostics"] == {} for rnd in art["releases"] for r in rnd)
+    with pytest.raises(ValueError, match="never leave a client"):
+        load_run(run_dir)
+    with pytest.raises(ValueError, match="'flower' engine"):
+        resume_experiment(run_dir)

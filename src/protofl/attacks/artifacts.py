@@ -100,6 +100,12 @@ def load_run(run_dir: str | Path) -> RunArtifacts:
         raise ValueError(f"{path / 'artifacts.pt'} cannot be read: {exc}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path / 'artifacts.pt'} does not hold a dict of run artifacts")
+    if raw.get("engine") == "flower":
+        raise ValueError(
+            f"{path / 'artifacts.pt'} holds what a Flower server received (the releases), not the "
+            "client models and training indices the attacks need, which never leave a client; "
+            "attack an in-process run of the same config (protofl run CONFIG) instead"
+        )
     absent = [k for k in REQUIRED_KEYS if k not in raw]
     if absent:
         raise ValueError(f"{path / 'artifacts.pt'} lacks {', '.join(absent)}")

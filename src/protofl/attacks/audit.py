@@ -507,8 +507,11 @@ def audit_mechanism(
     started = time.perf_counter()
     bounds = []
     threads = torch.get_num_threads()
+    from protofl.report.progress import note
+
     for m in modes:
         t0 = time.perf_counter()
+        note(f"audit, {m} mode: {counts[m]} trials x {rounds} releases per data set ...")
         if m == "fast":
             s1, s0 = _fast_trials(mech, data, counts[m], rounds, gen)
         else:

@@ -67,6 +67,19 @@ def _cmd_attack(args: argparse.Namespace) -> int:
     clients = [args.client] if args.client else None
     if args.round is not None and args.round < 1:
         raise ValueError(f"--round={args.round} is out of range; allowed: integers >= 1")
+    from protofl.report.progress import progress_notes, step
+
+    with progress_notes(True), step(f"{args.attack} attack on {args.run_dir}"):
+        result, columns, out_file = _attack(args, clients)
+    if args.json:
+        print(json.dumps(json_safe(result), indent=2))
+        return 0
+    return _print_attack(args, result, columns, out_file)
+
+
+def _attack(
+    args: argparse.Namespace, clients: list[str] | None
+) -> tuple[dict[str, Any], Sequence[tuple[str, str]], str]:
     if args.attack == "mia":
         from protofl.attacks.mia import mia_on_run
 
@@ -93,9 +106,15 @@ def _cmd_attack(args: argparse.Namespace) -> int:
         )
         columns = FSH_COLUMNS
         out_file = "attack_fsh.json"
-    if args.json:
-        print(json.dumps(json_safe(result), indent=2))
-        return 0
+    return result, columns, out_file
+
+
+def _print_attack(
+    args: argparse.Namespace,
+    result: dict[str, Any],
+    columns: Sequence[tuple[str, str]],
+    out_file: str,
+) -> int:
     eps = "no privacy" if result["epsilon"] is None else f"epsilon={result['epsilon']:g}"
     title = (
         f"{args.attack.upper()} on {result['method']} / {result['mechanism']} ({eps}), "
@@ -110,8 +129,15 @@ def _cmd_attack(args: argparse.Namespace) -> int:
 
 def _cmd_audit(args: argparse.Namespace) -> int:
     from protofl.attacks.audit import audit_mechanism
+    from protofl.report.progress import progress_notes
 
-    result = audit_mechanism(
+    with progress_notes(True):
+        result = _audit(args, audit_mechanism)
+    return _print_audit(args, result)
+
+
+def _audit(args: argparse.Namespace, audit_mechanism: Any) -> dict[str, Any]:
+    return audit_mechanism(  # type: ignore[no-any-return]
         args.mechanism,
         args.epsilon,
         delta=args.delta,
@@ -124,6 +150,9 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         dim=args.dim,
         seed=args.seed,
     )
+
+
+def _print_audit(args: argparse.Namespace, result: dict[str, Any]) -> int:
     if args.json:
         from protofl.attacks.artifacts import json_safe
 

@@ -101,7 +101,14 @@ def cached_features(
 def _encode(
     backbone: FrozenBackbone, images: np.ndarray, dataset: str, domain: str, split: str
 ) -> torch.Tensor:
-    feats = backbone.encode(images)
+    from protofl.report.progress import step
+
+    with step(
+        f"features {dataset}/{domain}/{split}: {len(images)} images through {backbone.name}",
+        len(images),
+        "images",
+    ):
+        feats = backbone.encode(images)
     if not torch.isfinite(feats).all():
         raise ValueError(
             f"backbone {backbone.name!r} produced non-finite features for "

@@ -54,7 +54,7 @@ def start_run_dir(config: ExperimentConfig, run_dir: Path, *, engine: str = "sim
     write_record(run_dir, config, engine=engine)
 
 
-def _attach_log(run_dir: Path) -> logging.Handler:
+def attach_log(run_dir: Path) -> logging.Handler:
     handler = logging.FileHandler(run_dir / "run.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("protofl")
@@ -152,14 +152,17 @@ def _execute_locked(
     threads_before = torch.get_num_threads()
     if config.run.threads is not None:
         torch.set_num_threads(config.run.threads)
-    handler = _attach_log(run_dir)
+    handler = attach_log(run_dir)
     show = config.run.progress if progress is None else progress
     tensorboard: Any = None
     try:
         t0 = time.perf_counter()
         home = home or protofl_home()
         if data is None:
-            data = build_federated_data(config, home)
+            from protofl.report.progress import progress_notes
+
+            with progress_notes(show):  # feature extraction on a fresh cache takes minutes
+                data = build_federated_data(config, home)
         setup_s = time.perf_counter() - t0
         log.info("data ready in %.1fs: %d clients", setup_s, len(data.clients))
         if config.run.threads is None:

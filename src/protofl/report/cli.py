@@ -115,14 +115,16 @@ def cmd_table(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     """Write report.html and report.md into a run or sweep folder."""
     from protofl.report.html import write_report
+    from protofl.report.progress import progress_notes
 
-    html_path, md_path = write_report(
-        args.folder,
-        by=_split_by(args.by),
-        metric=args.metric,
-        tsne=not args.no_tsne,
-        tsne_points=args.tsne_points,
-    )
+    with progress_notes(True):  # the t-SNE alone takes tens of seconds
+        html_path, md_path = write_report(
+            args.folder,
+            by=_split_by(args.by),
+            metric=args.metric,
+            tsne=not args.no_tsne,
+            tsne_points=args.tsne_points,
+        )
     print(f"wrote {html_path}")
     print(f"wrote {md_path}")
     return 0

@@ -213,8 +213,11 @@ def _fmt(value: Any) -> str:
 def _try_figure(
     doc: Doc, draw: Callable[[], list[Path]], caption: str, notes: list[str], what: str
 ) -> None:
+    from protofl.report.progress import step
+
     try:
-        paths = draw()
+        with step(f"figure: {what}"):
+            paths = draw()
     except Exception as exc:  # one bad figure must not cost the whole report
         log.info("figure %s not drawn: %s", what, exc)
         notes.append(f"{what}: not drawn ({type(exc).__name__}: {exc})")

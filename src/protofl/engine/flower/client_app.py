@@ -28,6 +28,8 @@ deployment happens once per ClientApp process.
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 import logging
 import threading
@@ -114,7 +116,9 @@ def get_runtime(config: ExperimentConfig, home: Path | None = None) -> ClientRun
         if runtime is None:
             data = build_federated_data(config, home)
             sim = Simulation(config, data)
-            initial = {c.data.client: client_state(sim, c) for c in sim.clients}
+            # deep copies: a state_dict aliases live tensors (the DCR teacher's), which a run
+            # would otherwise mutate in place, so the next run in this process started elsewhere
+            initial = {c.data.client: copy.deepcopy(client_state(sim, c)) for c in sim.clients}
             runtime = ClientRuntime(config=config, sim=sim, initial=initial)
             _RUNTIMES.clear()  # one experiment per process at a time; free the last one
             _RUNTIMES[key] = runtime
@@ -151,8 +155,6 @@ def client_state(sim: Simulation, c: Client) -> dict[str, Any]:
 
 def load_client_state(sim: Simulation, c: Client, state: dict[str, Any]) -> None:
     """Inverse of :func:`client_state`."""
-    import copy
-
     state = copy.deepcopy(state)
     c.model.load_state_dict(state["model"])
     c.optimizer.load_state_dict(state["optimizer"])
@@ -213,8 +215,6 @@ def fresh_client_state(
 ) -> dict[str, Any]:
     """A client's state at its first start: the config's initial state, with a noise key drawn
     on this node from the operating system in ``secret`` mode (never derived from the config)."""
-    import copy
-
     state = copy.deepcopy(runtime_initial)
     if mode == "secret":
         state["noise_gen"] = torch.Generator().manual_seed(secret_seed()).get_state()
@@ -366,7 +366,9 @@ def _run(
     c = sim.clients[pid]
     rnd = _server_round(msg)
     state_dir = str(context.node_config.get(STATE_DIR_KEY, "") or "")
-    state_file = Path(state_dir) / f"protofl-client-{pid}.pt" if state_dir else None
+    # one file per (experiment, partition): a different experiment on this node starts afresh
+    tag = hashlib.sha256(config_key(cfg).encode()).hexdigest()[:12]
+    state_file = Path(state_dir) / f"protofl-client-{pid}-{tag}.pt" if state_dir else None
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.run.threads or 1)
     try:

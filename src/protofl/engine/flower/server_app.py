@@ -127,7 +127,7 @@ def run_flower_server(
 ) -> ServerOutcome:
     """Run the strategy on ``grid``; write ``config.yaml``, ``metrics.jsonl`` and
     ``summary.json`` into a new run folder under ``out`` (when given)."""
-    from protofl.engine.runner import make_run_dir, start_run_dir
+    from protofl.engine.runner import attach_log, make_run_dir, start_run_dir
 
     outcome = outcome if outcome is not None else ServerOutcome()
     run_dir = make_run_dir(config, out) if out is not None else None
@@ -153,10 +153,38 @@ def run_flower_server(
         diagnostics=diagnostics,
     )
     outcome.strategy = strategy
-    strategy.start(grid=grid)
+    handler = attach_log(run_dir) if run_dir is not None else None
+    try:
+        strategy.start(grid=grid)
+    finally:
+        if handler is not None:
+            logging.getLogger("protofl").removeHandler(handler)
+            handler.close()
     outcome.summary = build_summary(config, strategy)
     if run_dir is not None:
         outcome.summary["run_dir"] = str(run_dir)
         (run_dir / "summary.json").write_text(json.dumps(outcome.summary, indent=2) + "\n")
+        if config.run.save_releases:
+            save_received(strategy, run_dir)
     log.info("flower run finished: avg %.4f", outcome.summary["avg_acc"])
     return outcome
+
+
+def save_received(strategy: ProtoStrategy, run_dir: Path) -> None:
+    """``artifacts.pt`` of a Flower run: every round's releases as the server received and
+    accepted them (client models never reach the server, so the attacks cannot run on it)."""
+    import torch
+
+    from protofl.engine.simulation import release_to_dict
+
+    nodes = sorted(strategy.nodes.values(), key=lambda n: n.partition)
+    parts = [n.partition for n in nodes]
+    torch.save(
+        {
+            "engine": "flower",
+            "releases": [[release_to_dict(rnd.get(p)) for p in parts] for rnd in strategy.received],
+            "clients": [n.name for n in nodes],
+            "domains": [n.domain_name for n in nodes],
+        },
+        run_dir / "artifacts.pt",
+    )

@@ -120,6 +120,8 @@ class ProtoStrategy(Strategy):
         self.diagnostics = diagnostics
         # every record.key the server received, per phase (the run record of what left clients)
         self.wire_seen: dict[str, set[str]] = {}
+        # what the server received and accepted: per round, partition -> release
+        self.received: list[dict[int, Any]] = []
         self.min_nodes = min_nodes
         self.round_timeout = float(round_timeout)
         self.wait_timeout = float(wait_timeout)
@@ -303,6 +305,7 @@ class ProtoStrategy(Strategy):
                 overlaps.append(float(diag["partition_overlap"]))  # type: ignore[arg-type]
             accepted.append(up)
         accepted.sort(key=lambda u: u.client)  # the simulator's order: aggregation is bitwise equal
+        self.received.append({u.client: u.release for u in accepted if u.release is not None})
         self._partition_overlap = overlaps
         return self.method.aggregate(accepted, server_round - 1)
 
