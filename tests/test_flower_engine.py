@@ -660,3 +660,43 @@ def test_a_flower_run_folder_has_its_log_record_and_what_the_server_received(
         load_run(run_dir)
     with pytest.raises(ValueError, match="'flower' engine"):
         resume_experiment(run_dir)
+
+
+def test_a_restarted_supernode_gets_its_partition_back_with_its_state(tmp_path: Path) -> None:
+    """A restarted SuperNode has a new node id; once its old id is gone the partition moves to
+    it (same registered facts), and its node-local state folder continues ledger and noise."""
+    from flwr.app import RecordDict
+
+    config = tiny_config("fedproto", "igpp", rounds=3)
+    app = make_client_app(config, tmp_path, deployment=True)
+    grid = InlineGrid(app, 2)
+    for ctx in grid.contexts.values():
+        ctx.node_config["state-dir"] = str(tmp_path / "state")
+
+    def restart(g: InlineGrid, m: RoundMetrics) -> None:
+        if m.round == 1:
+            old = g.contexts[1001]
+            g.removed.add(1001)
+            g.contexts[2001] = Context(
+                run_id=old.run_id,
+                node_id=2001,
+                node_config=dict(old.node_config),
+                state=RecordDict(),
+                run_config=dict(old.run_config),
+            )
+
+    outcome = ServerOutcome()
+    run_flower_server(
+        grid,
+        config,
+        out=tmp_path / "runs",
+        min_nodes=2,
+        round_timeout=30.0,
+        wait_timeout=10.0,
+        outcome=outcome,
+        on_round=lambda m: restart(grid, m),
+    )
+    assert [sorted(m.participants) for m in outcome.history] == [["blue", "red"]] * 3
+    assert outcome.summary["rebinds"] == [{"partition": "1", "from": "1001", "to": "2001"}]
+    state = unpack_state(grid.contexts[2001].state[STATE_KEY])  # type: ignore[arg-type]
+    assert [e["round"] for e in state["ledger"]["entries"]] == [0, 1, 2]  # nothing reset

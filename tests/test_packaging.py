@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +13,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _sh(*cmd: str | Path, cwd: Path | None = None, timeout: float = 900) -> str:
+    # a clean environment: nothing (PYTHONPATH set by an earlier Ray test, say) may point the
+    # fresh interpreter at the checkout
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     res = subprocess.run(
-        [str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, cwd=cwd
+        [str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
     )
     assert res.returncode == 0, f"{cmd}: {res.stdout[-2000:]}{res.stderr[-3000:]}"
     return res.stdout

@@ -82,6 +82,7 @@ class LoopbackDeployment:
     grace_s: float = 10.0
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
+    node_config: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir).absolute()
@@ -111,7 +112,7 @@ class LoopbackDeployment:
         return str(path) if path.exists() else name
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
             [self._exe(args[0]), *args[1:]],
             stdout=log,
@@ -143,21 +144,27 @@ class LoopbackDeployment:
         )
         _wait_port(self.port, link, timeout)
         for i in range(self.num_nodes):
-            self._spawn(
-                f"supernode-{i}",
-                [
-                    "flower-supernode",
-                    "--insecure",
-                    "--superlink",
-                    f"{HOST}:{self.port}",
-                    "--host",
-                    HOST,
-                    "--port",
-                    str(free_port()),
-                    "--node-config",
-                    f"partition-id={i} num-partitions={self.num_nodes}",
-                ],
-            )
+            self.start_node(f"supernode-{i}", i)
+
+    def start_node(self, name: str, partition: int, **node_config: str) -> None:
+        """Start one SuperNode claiming ``partition`` (``node_config``: further entries, e.g.
+        ``state-dir``); a name already used gets a fresh log (a restart)."""
+        extra = "".join(f' {k}="{v}"' for k, v in {**self.node_config, **node_config}.items())
+        self._spawn(
+            name,
+            [
+                "flower-supernode",
+                "--insecure",
+                "--superlink",
+                f"{HOST}:{self.port}",
+                "--host",
+                HOST,
+                "--port",
+                str(free_port()),
+                "--node-config",
+                f"partition-id={partition} num-partitions={self.num_nodes}{extra}",
+            ],
+        )
 
     def start_run(self, app_dir: Path, *, run_config: str | None = None) -> subprocess.Popen[bytes]:
         """Start ``flwr run APP protofl-loopback --stream`` (its output goes to flwr-run.log);
@@ -181,7 +188,8 @@ class LoopbackDeployment:
     def stop_node(self, index: int) -> None:
         """Stop SuperNode ``index`` (a node that disappears)."""
         name = f"supernode-{index}"
-        self._stop(self.procs[self.names.index(name)])
+        last = len(self.names) - 1 - self.names[::-1].index(name)  # the latest start of it
+        self._stop(self.procs[last])
 
     def _stop(self, proc: subprocess.Popen[bytes]) -> None:
         with suppress(ProcessLookupError, PermissionError):

@@ -58,6 +58,7 @@ def build_summary(config: ExperimentConfig, strategy: ProtoStrategy) -> dict[str
             "engine": "flower",
             "wire_fields": {k: sorted(v) for k, v in sorted(strategy.wire_seen.items())},
             "rejected_total": sum(len(h.rejected) for h in strategy.history),
+            "rebinds": strategy.rebinds,
             "units": "accuracies are fractions in [0, 1]; tables show percentages",
             "environment": environment(),
         }

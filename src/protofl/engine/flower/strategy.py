@@ -143,7 +143,10 @@ class ProtoStrategy(Strategy):
         self._partition_overlap: list[float] = []
         self._log = RoundLog()
         self._pending: list[dict[str, str]] = []  # registration refusals, shown in the next round
-        self._refused: set[int] = set()  # nodes refused at registration (asked once)
+        # nodes refused at registration -> the partition they claimed (asked again only once
+        # that partition's holder is gone)
+        self._refused: dict[int, int] = {}
+        self.rebinds: list[dict[str, str]] = []  # partitions moved to a restarted node
         self._failed: set[int] = set()
         self._round_nodes: list[NodeInfo] = []
         self._trained: list[int] = []
@@ -409,7 +412,7 @@ class ProtoStrategy(Strategy):
         want = self.min_nodes or 1
         while True:
             live = sorted(grid.get_node_ids())
-            new = [n for n in live if n not in self.nodes and n not in self._refused]
+            new = self._unregistered(live)
             if new:
                 self._hello(grid, new, 0)
             if self.min_nodes is None and self.num_clients:
@@ -428,9 +431,21 @@ class ProtoStrategy(Strategy):
 
     def _register_new(self, grid: Grid, rnd: int) -> None:
         live = set(grid.get_node_ids())
-        new = sorted(n for n in live if n not in self.nodes and n not in self._refused)
+        new = self._unregistered(sorted(live))
         if new:
             self._hello(grid, new, rnd)
+
+    def _unregistered(self, live: Sequence[int]) -> list[int]:
+        """Live nodes to ask for registration: new ones, and refused ones whose claimed
+        partition's holder has disconnected since."""
+        holders = {info.partition: info.node_id for info in self.nodes.values()}
+        alive = set(live)
+        return [
+            n
+            for n in live
+            if n not in self.nodes
+            and (n not in self._refused or holders.get(self._refused[n]) not in alive)
+        ]
 
     def _hello(self, grid: Grid, node_ids: Sequence[int], rnd: int) -> None:
         msgs = [
@@ -442,7 +457,10 @@ class ProtoStrategy(Strategy):
             for n in node_ids
         ]
         taken = {info.partition: info for info in self.nodes.values()}
-        for msg in grid.send_and_receive(msgs, timeout=self.round_timeout):
+        live = set(grid.get_node_ids())
+        replies = grid.send_and_receive(msgs, timeout=self.round_timeout)
+        # in node-id order: which of two simultaneous claims wins does not depend on timing
+        for msg in sorted(replies, key=lambda m: m.metadata.src_node_id):
             node_id = msg.metadata.src_node_id
             if msg.has_error():
                 log.warning("node %d: registration failed: %s", node_id, msg.error.reason)
@@ -467,13 +485,32 @@ class ProtoStrategy(Strategy):
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("node %d: malformed registration (%s); ignored", node_id, exc)
                 continue
+            held = taken.get(info.partition)
+            if held is not None and held.node_id not in live and _same_facts(held, info):
+                # the holder is gone (a restarted SuperNode gets a new id): the partition moves
+                # to the new node, with the same registered facts and the same server ledger
+                log.warning(
+                    "partition %d re-bound from node %d (no longer connected) to node %d",
+                    info.partition,
+                    held.node_id,
+                    node_id,
+                )
+                self.rebinds.append(
+                    {
+                        "partition": str(info.partition),
+                        "from": str(held.node_id),
+                        "to": str(node_id),
+                    }
+                )
+                del self.nodes[held.node_id]
+                del taken[info.partition]
             if info.partition in taken:
                 reason = (
                     f"claims partition {info.partition}, already held by node "
                     f"{taken[info.partition].node_id}"
                 )
                 log.warning("node %d %s; refused", node_id, reason)
-                self._refused.add(node_id)
+                self._refused[node_id] = info.partition
                 self._pending.append(
                     {"client": info.name, "node": str(node_id), "phase": "hello", "reason": reason}
                 )
@@ -697,3 +734,13 @@ class ProtoStrategy(Strategy):
         if self._partition_overlap:
             status["partition_overlap"] = float(np.mean(self._partition_overlap))
         return status
+
+
+def _same_facts(old: NodeInfo, new: NodeInfo) -> bool:
+    """A re-registration of a partition must repeat its registered facts."""
+    return (old.name, old.domain, old.domain_name, old.num_samples) == (
+        new.name,
+        new.domain,
+        new.domain_name,
+        new.num_samples,
+    )
