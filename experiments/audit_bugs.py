@@ -8,59 +8,26 @@ audit must flag every bug and no shipped mechanism.  Prints a markdown table.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 
 from protofl.attacks.audit import audit_mechanism
+from protofl.attacks.broken import (
+    AddsHalfTheStatedNoise,
+    Eq19Broken,
+    HalfNoise,
+    NoiseTimes07,
+    true_run_epsilon,
+)
 from protofl.privacy import PrivacyConfig
-from protofl.privacy.accounting import compose_epsilon
 from protofl.privacy.mechanisms import IGPP, VPP
 
 ROUNDS = 20
 
 
-class HalfNoise(IGPP):
-    """Half the calibrated noise multiplier (stated consistently)."""
-
-    def __init__(self, config: PrivacyConfig, *, rounds: int, dim: int) -> None:
-        super().__init__(config, rounds=rounds, dim=dim)
-        self.sigma *= 0.5
-
-
-class NoiseTimes07(IGPP):
-    """0.7 times the calibrated noise multiplier."""
-
-    def __init__(self, config: PrivacyConfig, *, rounds: int, dim: int) -> None:
-        super().__init__(config, rounds=rounds, dim=dim)
-        self.sigma *= 0.7
-
-
-class AddsHalfTheStatedNoise(IGPP):
-    """States the calibrated std, adds half of it."""
-
-    def _noisy(self, built, generator, dtype):  # type: ignore[no-untyped-def]
-        built.noise_std = built.noise_std / 2.0
-        protos, classes, counts, sens, std = super()._noisy(built, generator, dtype)
-        return protos, classes, counts, sens, std * 2.0
-
-
-class Eq19Broken(VPP):
-    """Group B gets sigma_ref instead of sigma_ref / sqrt(w_B): VPDR Eq. (19) fails."""
-
-    def __init__(self, config: PrivacyConfig, *, rounds: int, dim: int) -> None:
-        super().__init__(config, rounds=rounds, dim=dim)
-        self.budget = dataclasses.replace(self.budget, sigma_B=self.budget.sigma_ref)
-
-
 def true_epsilon(cls: type[IGPP] | type[VPP], epsilon: float) -> float:
     mech = cls(PrivacyConfig(mechanism=cls.name, epsilon=epsilon, clip=1.0), rounds=ROUNDS, dim=32)
-    if isinstance(mech, VPP):
-        b = mech.budget
-        inv = 1 / b.sigma_A**2 + 1 / b.sigma_B**2
-        return compose_epsilon(ROUNDS * inv, {b.eps_select: ROUNDS}, delta=1e-5)
-    scale = 0.5 if cls is AddsHalfTheStatedNoise else 1.0
-    return compose_epsilon(ROUNDS / (scale * mech.sigma) ** 2, {}, delta=1e-5)
+    return true_run_epsilon(mech, ROUNDS)
 
 
 def main() -> int:

@@ -59,13 +59,12 @@ from scipy.stats import beta, norm
 
 from protofl.privacy.accounting import (
     calibrate_gaussian,
-    calibrate_vpp,
     compose_epsilon,
     gaussian_epsilon,
 )
 from protofl.privacy.base import MECHANISM_REGISTRY, Mechanism
 from protofl.privacy.config import PrivacyConfig
-from protofl.privacy.mechanisms import _PrototypeMechanism, release_many
+from protofl.privacy.mechanisms import _PrototypeMechanism, release_many, vpp_budget
 from protofl.privacy.noise import derive_seed
 
 MODES = ("fast", "release", "both")
@@ -205,18 +204,7 @@ def per_release_epsilon(config: PrivacyConfig, *, rounds: int, dim: int) -> floa
         sigma = calibrate_gaussian(config.epsilon, config.delta, rounds, config.accountant)
         return gaussian_epsilon(sigma, config.delta)
     if base == "vpp":
-        b = calibrate_vpp(
-            config.epsilon,
-            config.delta,
-            rounds,
-            ratio=config.vpp_ratio,
-            rho=config.vpp_rho,
-            dim=dim,
-            score_max=config.vpp_score_max,
-            split=config.vpp_split,
-            accountant=config.accountant,
-            variant=config.vpp_variant,
-        )
+        b = vpp_budget(config, rounds=rounds, dim=dim)
         inv = 1.0 / b.sigma_A**2 + 1.0 / b.sigma_B**2
         pure = {b.eps_select: 1} if b.eps_select > 0 else {}
         return compose_epsilon(inv, pure, delta=config.delta, accountant="pld")
@@ -293,18 +281,7 @@ def run_epsilon(config: PrivacyConfig, *, rounds: int, dim: int) -> float:
         sigma = calibrate_gaussian(config.epsilon, config.delta, rounds, config.accountant)
         return compose_epsilon(rounds / sigma**2, {}, delta=config.delta, accountant="pld")
     if base == "vpp":
-        b = calibrate_vpp(
-            config.epsilon,
-            config.delta,
-            rounds,
-            ratio=config.vpp_ratio,
-            rho=config.vpp_rho,
-            dim=dim,
-            score_max=config.vpp_score_max,
-            split=config.vpp_split,
-            accountant=config.accountant,
-            variant=config.vpp_variant,
-        )
+        b = vpp_budget(config, rounds=rounds, dim=dim)
         inv = 1.0 / b.sigma_A**2 + 1.0 / b.sigma_B**2
         pure = {b.eps_select: b.selections} if b.eps_select > 0 and b.selections else {}
         return compose_epsilon(rounds * inv, pure, delta=config.delta, accountant="pld")

@@ -131,24 +131,7 @@ def _execute(
     resume: bool,
 ) -> RunResult:
     lock = FolderLock(run_dir, "run")
-    lock.acquire()  # one process at a time in a run folder
-    try:
-        return _execute_locked(
-            config, run_dir, home=home, progress=progress, data=data, resume=resume
-        )
-    finally:
-        lock.release()
-
-
-def _execute_locked(
-    config: ExperimentConfig,
-    run_dir: Path,
-    *,
-    home: Path | None,
-    progress: bool | None,
-    data: FederatedData | None,
-    resume: bool,
-) -> RunResult:
+    lock.acquire()  # one process at a time in a run folder; released in the finally below
     threads_before = torch.get_num_threads()
     if config.run.threads is not None:
         torch.set_num_threads(config.run.threads)
@@ -232,6 +215,7 @@ def _execute_locked(
         torch.set_num_threads(threads_before)
         logging.getLogger("protofl").removeHandler(handler)
         handler.close()
+        lock.release()
 
 
 def _run_with_progress(sim: Simulation, on_round: Any, show: bool) -> list[RoundMetrics]:

@@ -468,6 +468,22 @@ class IGPP(_PrototypeMechanism):
 # --------------------------------------------------------------------------------------------
 # VPP
 # --------------------------------------------------------------------------------------------
+def vpp_budget(config: PrivacyConfig, *, rounds: int, dim: int) -> VppBudget:
+    """VPP's calibration (:func:`~protofl.privacy.accounting.calibrate_vpp`) for a config."""
+    return calibrate_vpp(
+        config.epsilon,
+        config.delta,
+        rounds,
+        ratio=config.vpp_ratio,
+        rho=config.vpp_rho,
+        dim=dim,
+        score_max=config.vpp_score_max,
+        split=config.vpp_split,
+        accountant=config.accountant,
+        variant=config.vpp_variant,
+    )
+
+
 @MECHANISM_REGISTRY.register("vpp")
 class VPP(_PrototypeMechanism):
     """Variance-adaptive Prototype Perturbation (VPDR Sec. 4.2).
@@ -489,18 +505,7 @@ class VPP(_PrototypeMechanism):
 
     def __init__(self, config: PrivacyConfig, *, rounds: int, dim: int) -> None:
         super().__init__(config, rounds=rounds, dim=dim)
-        self.budget: VppBudget = calibrate_vpp(
-            config.epsilon,
-            config.delta,
-            rounds,
-            ratio=config.vpp_ratio,
-            rho=config.vpp_rho,
-            dim=dim,
-            score_max=config.vpp_score_max,
-            split=config.vpp_split,
-            accountant=config.accountant,
-            variant=config.vpp_variant,
-        )
+        self.budget: VppBudget = vpp_budget(config, rounds=rounds, dim=dim)
         b = self.budget
         # Eq. (19): the group release composes as one Gaussian of multiplier
         # (1/sigma_A^2 + 1/sigma_B^2)^-1/2 >= sigma_ref.
