@@ -245,7 +245,8 @@ class _PrototypeMechanism(Mechanism):
             if n == 0:
                 continue
             logger.warning(
-                "client %r: class %d prototype has only %d sample(s); released with its large "
+                "client %r (local-only diagnostic): class %d prototype has only %d sample(s); "
+                "released with its large "
                 "sensitivity %.4g",
                 client,
                 int(built.classes[i]),
