@@ -1,3 +1,3 @@
 """protofl: privacy-preserving prototype-based personalized FL under domain shift."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from protofl import __version__
 from protofl.config import ConfigError, ExperimentConfig
 
 
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Privacy-preserving prototype-based personalized federated learning.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log to the console too")
+    parser.add_argument("--version", action="version", version=f"protofl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run an experiment (default: fedproto on digits4)")
