@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import io
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -183,31 +185,25 @@ def load_node_state(path: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        return unpack_state(ArrayRecord({"state": _bytes_array(path.read_bytes())}))
+        state: dict[str, Any] = torch.load(io.BytesIO(path.read_bytes()), weights_only=True)
     except Exception as exc:
         raise ValueError(f"{path}: the node's saved client state cannot be read ({exc})") from None
+    return state
 
 
 def save_node_state(path: Path, state: dict[str, Any]) -> None:
-    """Write the client state atomically into the node's state folder (node-local, 0600)."""
-    import os
-
+    """Write the client state atomically into the node's state folder, readable by the node's
+    user alone (mode 0600 from creation: in secret mode it holds the noise key)."""
+    buf = io.BytesIO()
+    torch.save(dict(state), buf)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = pack_state(state)["state"].numpy().tobytes()  # type: ignore[union-attr]
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
+        fh.write(buf.getvalue())
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-
-
-def _bytes_array(data: bytes) -> Any:
-    import numpy as np
-    from flwr.app import Array
-
-    return Array(np.frombuffer(data, dtype=np.uint8).copy())
 
 
 def fresh_client_state(
