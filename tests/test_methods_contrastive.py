@@ -310,3 +310,41 @@ def test_conformance(method: str, mechanism: str) -> None:
         pytest.skip(f"mechanism {base!r} not registered")
     report = check_method(method, mechanism)
     assert report.losses[-1] < report.losses[0]
+
+
+class _ModeProbe(torch.nn.Module):
+    """Records the mode of every forward (a model with dropout behaves differently in each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.modes: list[bool] = []
+
+    def features(self, z: torch.Tensor) -> torch.Tensor:
+        self.modes.append(self.training)
+        return self.lin(z)
+
+    def forward(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        f = self.features(z)
+        return f, f
+
+
+def test_moon_and_fedpcl_compute_their_references_in_eval_mode() -> None:
+    from protofl.methods import create_method
+    from protofl.methods.base import Batch, ClientState
+
+    model = _ModeProbe()
+    model.train()
+    moon = create_method("moon", {}, num_classes=4, num_domains=1, proto_dim=4)
+    state = ClientState()
+    moon.begin_local(model, state, {}, 0)  # type: ignore[arg-type]
+    z, y = torch.randn(6, 4), torch.arange(6) % 4
+    f, logits = model(z)
+    model.modes.clear()
+    batch = Batch(z=z, y=y, f=f, f_raw=f, logits=logits, model=model, client=0, domain=0)  # type: ignore[arg-type]
+    moon.client_loss(batch, {}, state)
+    assert model.modes == [False, False] and model.training  # global and previous, then restored
+    pcl = create_method("fedpcl", {}, num_classes=4, num_domains=1, proto_dim=4)
+    model.modes.clear()
+    pcl.fit_local_prototypes(model, ClientState(), z, y)  # type: ignore[attr-defined, arg-type]
+    assert model.modes == [False] and model.training

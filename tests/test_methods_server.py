@@ -297,3 +297,18 @@ def test_check_method(name: str, mechanism: str) -> None:
 
 def test_check_feddap_personalized() -> None:
     check_method("feddap", "none", {"personalized": True})
+
+
+@pytest.mark.parametrize("name", ["fedtgp", "mpft"])
+def test_the_experiment_seed_reaches_the_server_randomness(name: str) -> None:
+    """Three seeds of a run used to share one server init and one shuffle stream."""
+    from protofl.methods import create_method
+
+    def server_weights(seed: int) -> list[torch.Tensor]:
+        m = create_method(name, {}, num_classes=4, num_domains=2, proto_dim=8, seed=seed)
+        model = m.build_generator() if name == "fedtgp" else m.build_server_model()  # type: ignore[attr-defined]
+        return [p.detach().clone() for p in model.parameters()]
+
+    a, b, again = server_weights(0), server_weights(1), server_weights(0)
+    assert all(torch.equal(x, y) for x, y in zip(a, again))
+    assert not all(torch.equal(x, y) for x, y in zip(a, b))

@@ -235,6 +235,7 @@ def rebuild_clients(
         num_classes=dataset.num_classes,
         num_domains=len(domain_order),
         proto_dim=cfg.backbone.proto_dim,
+        seed=cfg.seed,
     )
     use_cache = cfg.backbone.feature_cache
     states, _ = release_model_states(art, round_)

@@ -111,6 +111,7 @@ class Simulation:
             num_classes=data.num_classes,
             num_domains=len(data.domains),
             proto_dim=config.backbone.proto_dim,
+            seed=config.seed,
         )
         if self.method.needs_domain and any(c.domain < 0 for c in data.clients):
             raise ValueError(f"method {self.method.name!r} needs every client to report a domain")

@@ -13,7 +13,8 @@ A method never runs an engine loop. The engine (``protofl.engine``) calls, per r
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -81,6 +82,7 @@ class Method:
         num_classes: int,
         num_domains: int,
         proto_dim: int,
+        seed: int = 0,
     ) -> None:
         params = dict(params or {})
         allowed = {**self.defaults, "eval": self.eval_modes[0]}
@@ -99,6 +101,8 @@ class Method:
         self.num_classes = num_classes
         self.num_domains = num_domains
         self.proto_dim = proto_dim
+        # the experiment seed: every server-side random choice derives from it
+        self.seed = int(seed)
         self.server_state: dict[str, torch.Tensor] = {}
         self.validate()
 
@@ -167,13 +171,29 @@ def create_method(
     num_classes: int,
     num_domains: int,
     proto_dim: int,
+    seed: int = 0,
 ) -> Method:
-    """Instantiate a registered method with validated parameters."""
+    """Instantiate a registered method with validated parameters; ``seed`` is the experiment
+    seed (server-side randomness of FedTGP, MPFT, ... derives from it)."""
     cls = METHOD_REGISTRY.get(name)
-    return cls(params, num_classes=num_classes, num_domains=num_domains, proto_dim=proto_dim)
+    return cls(
+        params, num_classes=num_classes, num_domains=num_domains, proto_dim=proto_dim, seed=seed
+    )
 
 
 # ----- shared helpers used by several methods ---------------------------------------------
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Run a block with ``model`` in eval mode (no dropout, no augmentation, BatchNorm running
+    statistics), restoring its mode after: reference features and prototypes are computed so."""
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
 def class_weighted_mean(uploads: Sequence[Upload], num_classes: int, dim: int) -> GlobalState:
     """Per-class mean of uploaded prototypes weighted by their counts, over clients with the class.
 

@@ -18,7 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from protofl.methods.base import METHOD_REGISTRY, Batch, ClientState, GlobalState, Method
+from protofl.methods.base import (
+    METHOD_REGISTRY,
+    Batch,
+    ClientState,
+    GlobalState,
+    Method,
+    eval_mode,
+)
 from protofl.models.client import ClientModel
 
 
@@ -147,7 +154,9 @@ class Moon(Method):
         mu = float(self.params["mu"])
         if mu == 0:
             return loss
-        with torch.no_grad():
+        # the reference features of the same input, in eval mode (no dropout or augmentation:
+        # at identical weights z_glob equals the student's feature)
+        with torch.no_grad(), eval_mode(batch.model):
             z_glob, _ = functional_call(batch.model, self._snapshot(state, self.GLOBAL), (batch.z,))
             z_prev, _ = functional_call(batch.model, self._snapshot(state, self.PREV), (batch.z,))
         l_con = moon_contrastive(batch.f, z_glob, z_prev, float(self.params["temperature"]))

@@ -42,6 +42,7 @@ from protofl.methods.base import (
     Method,
     Upload,
     class_uniform_mean,
+    eval_mode,
 )
 from protofl.methods.finch import segment_sum
 from protofl.methods.fpl import (
@@ -185,7 +186,7 @@ class FedPCL(Method):
         self, model: ClientModel, state: ClientState, z: torch.Tensor, y: torch.Tensor
     ) -> None:
         """Store the class means of ``model.features(z)`` as the client's local prototypes."""
-        with torch.no_grad():
+        with torch.no_grad(), eval_mode(model):  # evaluation prototypes: no dropout
             f = model.features(z)
         classes = torch.unique(y)
         sums = segment_sum(f, y, self.num_classes)

@@ -23,7 +23,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,6 +37,7 @@ from protofl.methods.base import (
     lookup_targets,
 )
 from protofl.models.client import ClientModel
+from protofl.privacy.noise import derive_seed
 
 BUDGETS: dict[str, dict[str, float]] = {
     "upstream": {"server_epochs": 1000, "server_lr": 0.005, "server_batch": 10},
@@ -47,8 +47,7 @@ BUDGETS: dict[str, dict[str, float]] = {
 
 def seeded_generator(*keys: int) -> torch.Generator:
     """A torch Generator seeded from a path of integer keys (no global RNG)."""
-    state = np.random.SeedSequence([int(k) for k in keys]).generate_state(2, dtype=np.uint32)
-    return torch.Generator().manual_seed(int(state.view(np.uint64)[0] >> np.uint64(1)))
+    return torch.Generator().manual_seed(derive_seed(*(int(k) for k in keys)))
 
 
 @contextmanager
@@ -187,7 +186,8 @@ class FedTGP(Method):
             n = len(self.PREFIX)
             tgp.load_state_dict({k[n:]: v for k, v in self.server_state.items()})
         else:
-            tgp.reset(torch.Generator().manual_seed(int(self.params["seed"])))
+            # the experiment seed and the method's own seed offset (FedTGP init stream 6)
+            tgp.reset(seeded_generator(self.seed, int(self.params["seed"]), 6))
         return tgp
 
     def aggregate(self, uploads: Sequence[Upload], round_index: int) -> GlobalState:
@@ -200,7 +200,7 @@ class FedTGP(Method):
         epochs = int(self.server_setting("server_epochs"))
         batch = int(self.server_setting("server_batch"))
         opt = torch.optim.SGD(tgp.parameters(), lr=self.server_setting("server_lr"))
-        gen = seeded_generator(int(self.params["seed"]), 7, round_index)
+        gen = seeded_generator(self.seed, int(self.params["seed"]), 7, round_index)
         all_classes = torch.arange(self.num_classes)
         tgp.train()
         with single_thread():

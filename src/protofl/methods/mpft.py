@@ -141,7 +141,8 @@ class MPFT(Method):
         if self.server_state:
             model.load_state_dict({k[len(PREFIX) :]: v for k, v in self.server_state.items()})
         else:
-            init_parameters(model, torch.Generator().manual_seed(int(self.params["seed"])))
+            # the experiment seed and the method's own seed offset (MPFT init stream 10)
+            init_parameters(model, seeded_generator(self.seed, int(self.params["seed"]), 10))
         return model
 
     def aggregate(self, uploads: Sequence[Upload], round_index: int) -> GlobalState:
@@ -157,7 +158,7 @@ class MPFT(Method):
             momentum=float(p["server_momentum"]),
             weight_decay=float(p["server_weight_decay"]),
         )
-        gen = seeded_generator(int(p["seed"]), 11, round_index)
+        gen = seeded_generator(self.seed, int(p["seed"]), 11, round_index)
         batch = int(p["server_batch"])
         model.train()
         with single_thread():

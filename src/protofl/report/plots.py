@@ -286,6 +286,7 @@ def client_features(
         num_classes=data.num_classes,
         num_domains=len(data.domains),
         proto_dim=config.backbone.proto_dim,
+        seed=config.seed,
     )
     backbone_cls = backbone_class(config.backbone)
     rng = np.random.default_rng(seed)

@@ -523,6 +523,7 @@ class ProtoStrategy(Strategy):
                     num_classes=num_classes,
                     num_domains=num_domains,
                     proto_dim=self.config.backbone.proto_dim,
+                    seed=self.config.seed,
                 )
             elif (num_clients, num_classes) != (self.num_clients, self.num_classes):
                 log.warning(
