@@ -117,6 +117,14 @@ def _run_inline(
     return outcome, grid
 
 
+def _serve(grid: InlineGrid, config: Any, **kwargs: Any) -> ServerOutcome:
+    """``run_flower_server`` on ``grid`` with the tests' timeouts (2 nodes, 30 s a phase)."""
+    outcome = ServerOutcome()
+    options: dict[str, Any] = {"out": None, "min_nodes": 2, "wait_timeout": 10.0, **kwargs}
+    run_flower_server(grid, config, round_timeout=30.0, outcome=outcome, **options)
+    return outcome
+
+
 def _client_ledger_rounds(grid: InlineGrid, node: int) -> list[int]:
     state = unpack_state(grid.contexts[node].state[STATE_KEY])  # type: ignore[arg-type]
     return [e["round"] for e in state["ledger"]["entries"]]
@@ -416,16 +424,8 @@ def _recording_run(
     grid = InlineGrid(client, 2)
     for ctx in grid.contexts.values():
         ctx.node_config.update(node_config or {})
-    outcome = ServerOutcome()
-    run_flower_server(
-        grid,
-        config,
-        out=tmp_path / "runs",
-        min_nodes=2,
-        round_timeout=30.0,
-        wait_timeout=wait,
-        outcome=outcome,
-        diagnostics=not deployment,
+    outcome = _serve(
+        grid, config, out=tmp_path / "runs", wait_timeout=wait, diagnostics=not deployment
     )
     return outcome, seen
 
@@ -497,17 +497,7 @@ def test_a_restarted_supernode_keeps_its_secret_noise_stream(tmp_path: Path) -> 
             first[nid] = unpack_state(ctx.state[STATE_KEY])  # type: ignore[arg-type]
             ctx.state = type(ctx.state)()
 
-    outcome = ServerOutcome()
-    run_flower_server(
-        grid,
-        config,
-        out=None,
-        min_nodes=2,
-        round_timeout=30.0,
-        wait_timeout=10.0,
-        outcome=outcome,
-        on_round=lambda m: forget(grid, m) if m.round == 1 else None,
-    )
+    outcome = _serve(grid, config, on_round=lambda m: forget(grid, m) if m.round == 1 else None)
     for nid, ctx in grid.contexts.items():
         after = unpack_state(ctx.state[STATE_KEY])  # type: ignore[arg-type]
         assert [e["round"] for e in after["ledger"]["entries"]] == [0, 1]
@@ -531,10 +521,7 @@ def test_add_remove_with_noisy_counts_sends_no_exact_count(tmp_path: Path) -> No
         return reply
 
     grid = InlineGrid(client, 2)
-    outcome = ServerOutcome()
-    run_flower_server(
-        grid, config, out=None, min_nodes=2, round_timeout=30.0, wait_timeout=10.0, outcome=outcome
-    )
+    outcome = _serve(grid, config)
     exact = {
         c.data.num_train for c in Simulation(config, build_federated_data(config, tmp_path)).clients
     }
@@ -611,17 +598,7 @@ def test_a_second_claim_for_a_held_partition_is_refused_and_recorded(tmp_path: P
     app = make_client_app(config, tmp_path)
     grid = InlineGrid(app, 3, node_ids=[1000, 1001, 1002])
     grid.contexts[1002].node_config["partition-id"] = 0  # a rogue node claims red's partition
-    outcome = ServerOutcome()
-    run_flower_server(
-        grid,
-        config,
-        out=None,
-        min_nodes=2,
-        round_timeout=30.0,
-        wait_timeout=10.0,
-        outcome=outcome,
-        diagnostics=True,
-    )
+    outcome = _serve(grid, config, diagnostics=True)
     (refusal,) = [r for r in outcome.history[0].rejected if r["phase"] == "hello"]
     assert refusal["node"] == "1002" and "already held by node 1000" in refusal["reason"]
     assert outcome.strategy is not None
@@ -685,17 +662,7 @@ def test_a_restarted_supernode_gets_its_partition_back_with_its_state(tmp_path: 
                 run_config=dict(old.run_config),
             )
 
-    outcome = ServerOutcome()
-    run_flower_server(
-        grid,
-        config,
-        out=tmp_path / "runs",
-        min_nodes=2,
-        round_timeout=30.0,
-        wait_timeout=10.0,
-        outcome=outcome,
-        on_round=lambda m: restart(grid, m),
-    )
+    outcome = _serve(grid, config, out=tmp_path / "runs", on_round=lambda m: restart(grid, m))
     assert [sorted(m.participants) for m in outcome.history] == [["blue", "red"]] * 3
     assert outcome.summary["rebinds"] == [{"partition": "1", "from": "1001", "to": "2001"}]
     state = unpack_state(grid.contexts[2001].state[STATE_KEY])  # type: ignore[arg-type]
