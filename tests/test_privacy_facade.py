@@ -85,3 +85,19 @@ def test_construction_errors_and_describe() -> None:
     p = PrototypePrivacy(rounds=20, mechanism="igpp", epsilon=1.0)
     assert p.sigma == calibrate_gaussian(1.0, 1e-5, 20)
     assert p.describe()["noise_key"] == "secret" and p.dcr(torch.nn.Linear(2, 2)) is None
+
+
+def test_bad_features_name_the_client_and_the_limit() -> None:
+    privacy = PrototypePrivacy(rounds=1, dim=16, mechanism="vpp", name="site-a")
+    y = torch.arange(10) % 2
+    with pytest.raises(ValueError, match=r"client 'site-a': features must have shape \[n, 16\]"):
+        privacy.release(torch.randn(10, 8), y, num_classes=2)
+    bad = torch.randn(10, 16)
+    bad[3, 0] = float("nan")
+    with pytest.raises(ValueError, match="client 'site-a': 1 feature vectors are not finite"):
+        privacy.release(bad, y, num_classes=2)
+    with pytest.raises(ValueError, match=r"privacy\.epsilon=-1"):
+        PrototypePrivacy(rounds=1, epsilon=-1.0)
+    privacy.release(torch.randn(10, 16), y, num_classes=2)
+    with pytest.raises(RuntimeError, match="site-a: all 1 releases of the budget are spent"):
+        privacy.release(torch.randn(10, 16), y, num_classes=2)
