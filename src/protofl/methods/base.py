@@ -183,9 +183,12 @@ def create_method(
 
 # ----- shared helpers used by several methods ---------------------------------------------
 @contextlib.contextmanager
-def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+def eval_mode(model: Any) -> Iterator[None]:
     """Run a block with ``model`` in eval mode (no dropout, no augmentation, BatchNorm running
     statistics), restoring its mode after: reference features and prototypes are computed so."""
+    if not isinstance(model, torch.nn.Module):  # a duck-typed model has no modes to switch
+        yield
+        return
     was = model.training
     model.eval()
     try:
