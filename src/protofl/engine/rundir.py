@@ -18,7 +18,7 @@ import contextlib
 import fcntl
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -96,13 +96,6 @@ class FolderLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
-
-
-@contextlib.contextmanager
-def locked(folder: Path, what: str) -> Iterator[None]:
-    """``with locked(run_dir, "run"):`` one process at a time."""
-    with FolderLock(folder, what):
-        yield
 
 
 def write_record(run_dir: Path, config: ExperimentConfig, *, engine: str = "sim") -> None:
