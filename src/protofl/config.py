@@ -74,6 +74,9 @@ class DataConfig:
     min_client_size: int = 1
     allocation: str | None = None
     preset: str | None = None
+    # domain: a domain's clients share train_fraction of it; client: each client draws
+    # train_fraction of its domain (FedDAP); None: the data preset's, else domain
+    fraction_unit: str | None = None
     holdout_domain: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -83,6 +86,8 @@ class DataConfig:
         check_choice("data.partition", self.partition, ("domain", "dirichlet"))
         check_range("data.dirichlet_alpha", self.dirichlet_alpha, low=0.0, low_open=True)
         check_range("data.min_client_size", self.min_client_size, low=1)
+        if self.fraction_unit is not None:
+            check_choice("data.fraction_unit", self.fraction_unit, ("domain", "client"))
         for key in ("max_train_per_domain", "max_test_per_domain"):
             value = getattr(self, key)
             if value is not None:
@@ -123,15 +128,21 @@ class BackboneConfig:
             check_backbone_options(self.name, self.options)
 
 
+OPTIMIZERS = ("adamw", "sgd")
+"""Local optimisers (``federation.optimizer``)."""
+
+
 @dataclass(frozen=True)
 class FederationConfig:
-    """Rounds, local epochs and the local optimiser (AdamW as in VPDR's set-up)."""
+    """Rounds, local epochs and the local optimiser (AdamW as in VPDR's set-up, or SGD)."""
 
     rounds: int = 20
     local_epochs: int = 1
     batch_size: int = 64
     lr: float = 1e-3
     weight_decay: float = 1e-5
+    optimizer: str = "adamw"  # adamw | sgd (protofl.engine.optimizers)
+    momentum: float = 0.9  # SGD's momentum; AdamW's beta1
     participation: float = 1.0
     dropout: float = 0.0
     checkpoint: bool = True
@@ -146,6 +157,8 @@ class FederationConfig:
         check_range("federation.batch_size", self.batch_size, low=1)
         check_range("federation.lr", self.lr, low=0.0, low_open=True)
         check_range("federation.weight_decay", self.weight_decay, low=0.0)
+        check_choice("federation.optimizer", self.optimizer, OPTIMIZERS)
+        check_range("federation.momentum", self.momentum, low=0.0, high=1.0, high_open=True)
         check_range(
             "federation.participation", self.participation, low=0.0, high=1.0, low_open=True
         )
@@ -174,11 +187,14 @@ class RunConfig:
     tensorboard: bool = False
     mia_every: int = 0  # run the membership-inference attack every k rounds (0: off)
     threads: int | None = None  # None: all cores for feature extraction, 1 for training
+    # the headline accuracy: final (the last round, VPDR) | last5 (mean of the last 5, FedDAP)
+    headline: str = "final"
 
     def __post_init__(self) -> None:
         if self.threads is not None:
             check_range("run.threads", self.threads, low=1)
         check_range("run.mia_every", self.mia_every, low=0)
+        check_choice("run.headline", self.headline, ("final", "last5"))
 
 
 @dataclass(frozen=True)

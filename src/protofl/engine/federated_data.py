@@ -178,7 +178,7 @@ def build_federated_data(
     counts = client_counts(config, dataset.name, [d.name for d in domains])
     preset = data_preset(config)
     fraction = float(preset.get("train_fraction", dcfg.train_fraction))
-    per_client_fraction = preset.get("fraction_unit") == "client"
+    per_client_fraction = (dcfg.fraction_unit or preset.get("fraction_unit")) == "client"
     rng = np.random.default_rng(np.random.SeedSequence([config.seed, 0xDA7A]))
     clients: list[ClientData] = []
     cache_opts: dict[str, Any] = {

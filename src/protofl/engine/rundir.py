@@ -33,10 +33,12 @@ RESULT_FREE_KEYS = (
     "run.threads",
     "run.tensorboard",
     "run.save_releases",
+    "run.headline",
     "federation.checkpoint",
     "federation.checkpoint_every",
 )
-"""Keys a resume may change: where files go, progress display, threads, checkpoint cadence."""
+"""Keys a resume may change: where files go, progress display, threads, checkpoint cadence,
+which accuracy is the headline."""
 
 
 class LockError(RuntimeError):
@@ -130,6 +132,17 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _with_defaults(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with the sections and keys it lacks taken from ``defaults``."""
+    out = dict(defaults)
+    for key, value in values.items():
+        below = defaults.get(key)
+        if isinstance(value, Mapping) and isinstance(below, Mapping):
+            value = _with_defaults(value, below)
+        out[key] = value
+    return out
+
+
 def check_resume(run_dir: Path, config: ExperimentConfig, *, engine: str = "sim") -> None:
     """Refuse to resume ``run_dir`` with ``config`` unless it is the run that was started there
     (up to :data:`RESULT_FREE_KEYS`), on the same engine and config schema."""
@@ -147,7 +160,10 @@ def check_resume(run_dir: Path, config: ExperimentConfig, *, engine: str = "sim"
             f"the {engine!r} engine would change what the run was (Flower runs cannot be resumed "
             "yet: start a new run)"
         )
-    old, new = flatten(record["config"]), flatten(config.to_dict())
+    # a key the record lacks was added to protofl after the run started: its default is what
+    # the run used (a new key's default keeps the old behaviour)
+    old = flatten(_with_defaults(record["config"], ExperimentConfig().to_dict()))
+    new = flatten(config.to_dict())
     changed = sorted(
         k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in RESULT_FREE_KEYS
     )

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from protofl.config import ExperimentConfig
 from protofl.engine.federated_data import ClientData, FederatedData
+from protofl.engine.optimizers import make_optimizer
 from protofl.methods import create_method
 from protofl.methods.base import Batch, ClientState, GlobalState, Method, Upload
 from protofl.models.backbones import backbone_class
@@ -137,9 +138,7 @@ class Simulation:
                 client=cd.client,
             )
             self.frozen_pool.share(model)
-            opt = torch.optim.AdamW(
-                model.trainable_parameters(), lr=fed.lr, weight_decay=fed.weight_decay
-            )
+            opt = make_optimizer(model.trainable_parameters(), fed)
             dcr = None
             if config.privacy.use_dcr:
                 from protofl.privacy.dcr import DCR
