@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -203,6 +204,9 @@ class ExperimentConfig:
 
     name: str = "default"
     seed: int = 0
+    # a paper's protocol (protofl.presets: vpdr | feddap), filled in beneath the given values
+    # when a config is read from a mapping; kept as a record of where the values came from
+    preset: str | None = None
     data: DataConfig = field(default_factory=DataConfig)
     backbone: BackboneConfig = field(default_factory=BackboneConfig)
     federation: FederationConfig = field(default_factory=FederationConfig)
@@ -212,6 +216,10 @@ class ExperimentConfig:
 
     def __post_init__(self) -> None:
         check_range("seed", self.seed, low=0)
+        if self.preset is not None:
+            from protofl.presets import check_preset
+
+            check_preset(self.preset, self.data.name)
 
     # --- conversion -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -224,8 +232,13 @@ class ExperimentConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> ExperimentConfig:
-        """Build and validate from a nested mapping; unknown keys fail with the nearest name."""
-        return _build(cls, data, prefix="", source=source)
+        """Build and validate from a nested mapping; unknown keys fail with the nearest name.
+        A ``preset`` fills in the values the mapping does not give (protofl.presets)."""
+        from protofl.presets import apply_preset
+
+        config = _build(cls, apply_preset(data), prefix="", source=source)
+        object.__setattr__(config, "_given", copy.deepcopy(dict(data)))  # for with_overrides
+        return config
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ExperimentConfig:
@@ -256,8 +269,11 @@ class ExperimentConfig:
             raise ConfigError(f"{path}: {exc}") from None
 
     def with_overrides(self, overrides: Sequence[str]) -> ExperimentConfig:
-        """Apply ``key=value`` strings with dotted keys (``federation.rounds=2``)."""
-        data = self.to_dict()
+        """Apply ``key=value`` strings with dotted keys (``federation.rounds=2``), over the
+        values this config was given (so a preset, even one set here, stays beneath them)."""
+        from protofl.presets import override_base
+
+        data = override_base(self)
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"--set {item!r} must look like key=value")

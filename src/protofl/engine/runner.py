@@ -185,9 +185,12 @@ def _execute(
         if not history:
             raise ValueError(f"{run_dir}: no round has run (federation.rounds reached?)")
         summary = summarise(history)
+        headline = "avg_acc_last5" if config.run.headline == "last5" else "avg_acc"
         summary.update(
             {
                 "name": config.name,
+                "preset": config.preset,
+                "headline": {"metric": config.run.headline, "avg_acc": summary[headline]},
                 "method": config.method.name,
                 "dataset": data.dataset,
                 "domains": list(data.domains),

@@ -29,6 +29,9 @@ def print_summary(summary: Mapping[str, Any], run_dir: str, console: Console | N
     """Print the result table and where the run folder is."""
     console = console or Console()
     console.print(accuracy_table(summary))
+    headline = summary.get("headline")
+    if isinstance(headline, Mapping) and headline.get("metric") == "last5":
+        console.print(f"headline AVG (mean of the last 5 rounds): {100 * headline['avg_acc']:.2f}")
     eps = summary.get("privacy", {}).get("epsilon_spent")
     if isinstance(eps, dict) and any(v is not None for v in eps.values()):
         worst = max(v for v in eps.values() if v is not None)
