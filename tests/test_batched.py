@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from protofl.attacks.mia import diagnostics_for
 from protofl.config import ExperimentConfig
 from protofl.data.cache import protofl_home
 from protofl.data.partition import PartitionError
@@ -137,9 +138,9 @@ def test_engine_hooks_match_sequential() -> None:
             "run.mia_every": "2",
         }
     )
-    sim = Simulation(cfg, _data(cfg))
+    sim = Simulation(cfg, _data(cfg), upload_hooks=diagnostics_for(cfg))
     sim.run_round()
-    twin = Simulation(cfg, _data(cfg))
+    twin = Simulation(cfg, _data(cfg), upload_hooks=diagnostics_for(cfg))
     buf = io.BytesIO()
     torch.save(sim.state_dict(), buf)
     buf.seek(0)

@@ -318,28 +318,13 @@ def test_cli_glue_runs_the_flower_engine(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """What the lead wires into ``protofl``: ``run --engine flower`` and ``flower-app``."""
-    import argparse
-
     import yaml
 
-    from protofl.engine.flower.run import (
-        add_flower_app_parser,
-        add_flower_arguments,
-        run_with_flower,
-    )
+    from protofl.cli import build_parser
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config("fedproto", "vpdr", rounds=1).to_dict()))
-    parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers(dest="command")
-    run = sub.add_parser("run")
-    run.add_argument("config", nargs="?")
-    run.add_argument("--set", action="append")
-    run.add_argument("--out")
-    run.add_argument("--json", action="store_true")
-    run.add_argument("--resume")
-    add_flower_arguments(run)
-    add_flower_app_parser(sub)
+    parser = build_parser()
     args = parser.parse_args(
         [
             *("run", str(cfg), "--engine", "flower", "--flower-backend", "inline"),
@@ -347,7 +332,7 @@ def test_cli_glue_runs_the_flower_engine(
         ]
     )
     assert args.engine == "flower"
-    assert run_with_flower(args) == 0
+    assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["rounds"] == 1 and Path(out["run_dir"]).is_dir()
     args = parser.parse_args(

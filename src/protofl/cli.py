@@ -8,29 +8,42 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from protofl import __version__
 from protofl.config import ConfigError, ExperimentConfig
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    if getattr(args, "engine", "sim") == "flower":
-        from protofl.engine.flower.run import run_with_flower
-
-        return run_with_flower(args)
-    from protofl.engine.runner import run_experiment
+    from protofl.engine.engines import ENGINE_REGISTRY, EngineOptions, run_engine
     from protofl.report.console import print_summary
 
     if args.resume:
         from protofl.engine.runner import resume_experiment
 
-        if args.config or args.set:
-            raise ValueError("--resume continues a run with its saved config; drop CONFIG/--set")
-        result = resume_experiment(args.resume, progress=not args.quiet)
+        if args.config or args.set or args.engine:
+            raise ValueError(
+                "--resume continues a run with its saved config and engine; drop CONFIG/--set/"
+                "--engine"
+            )
+        result: Any = resume_experiment(args.resume, progress=not args.quiet)
     else:
         config = ExperimentConfig.from_yaml(args.config) if args.config else ExperimentConfig()
-        config = config.with_overrides(args.set or [])
-        result = run_experiment(config, out=args.out, progress=not args.quiet)
+        overrides = list(args.set or [])
+        if args.engine:  # shorthand for --set run.engine=NAME
+            overrides.append(f"run.engine={args.engine}")
+        config = config.with_overrides(overrides)
+        ENGINE_REGISTRY.get(config.run.engine)  # an unknown engine fails before anything
+        flower = {
+            "backend": args.flower_backend,
+            "num_cpus": args.flower_num_cpus,
+            "round_timeout": args.round_timeout,
+            "ray_address": args.ray_address,
+        }
+        if config.run.engine == "flower-loopback":
+            flower = {"round_timeout": args.round_timeout}
+        options = EngineOptions(out=args.out, progress=not args.quiet, flower=flower)
+        result = run_engine(config, options)
     if args.json:
         print(json.dumps({"run_dir": str(result.run_dir), **result.summary}, indent=2))
     else:
@@ -88,8 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
+    from protofl.engine.engines import ENGINE_REGISTRY
     from protofl.engine.flower.run import add_flower_app_parser, add_flower_arguments
 
+    run.add_argument(
+        "--engine",
+        choices=ENGINE_REGISTRY.names(),
+        default=None,
+        help="where the rounds run (shorthand for --set run.engine=NAME; default: run.engine, "
+        "sim): "
+        + "; ".join(f"{n}: {ENGINE_REGISTRY.get(n).summary}" for n in ENGINE_REGISTRY.names()),
+    )
     add_flower_arguments(run)
     run.set_defaults(func=_cmd_run)
 

@@ -6,7 +6,7 @@ import copy
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -57,6 +57,15 @@ def check_choice(key: str, value: str, choices: Sequence[str]) -> None:
             f"{key}={value!r} is not allowed{nearest(value, list(choices))}; "
             f"choose one of: {', '.join(choices)}"
         )
+
+
+BACKBONE_OPTION_CHECKS: list[Callable[[str, Mapping[str, Any]], None]] = []
+"""Validators of ``backbone.options`` (``protofl.models.backbones`` adds its own on import; this
+module never imports the backbones, which import it)."""
+
+WEIGHT_RULES = ("mean", "median", "trimmed_mean")
+"""How weight-sharing methods combine clients' weights (``federation.weight_aggregation``;
+implemented by :func:`protofl.engine.round.average_weights`)."""
 
 
 @dataclass(frozen=True)
@@ -122,11 +131,11 @@ class BackboneConfig:
         for key in self.options:
             if not isinstance(key, str):
                 raise ConfigError(f"backbone.options: option names are strings, got {key!r}")
-        if self.options:
-            # imported here: the backbones import this module (and torch)
-            from protofl.models.backbones import check_backbone_options
-
-            check_backbone_options(self.name, self.options)
+        if self.options and BACKBONE_OPTION_CHECKS:
+            # the backbones own their options: protofl.models registers the check when it is
+            # imported (preflight imports it and checks again before any run starts)
+            for check in BACKBONE_OPTION_CHECKS:
+                check(self.name, self.options)
 
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -150,6 +159,10 @@ class FederationConfig:
     checkpoint_every: int = 1  # save after every k-th round (and the last); resume redoes <k
     execution: str = "sequential"
     poison: dict[str, float] = field(default_factory=dict)  # client -> scale (robustness tests)
+    # weight-sharing methods: mean (FedAvg, sample-weighted) | median | trimmed_mean (robust,
+    # unweighted: a client's claimed size buys it nothing)
+    weight_aggregation: str = "mean"
+    weight_trim_ratio: float = 0.2
 
     def __post_init__(self) -> None:
         check_range("federation.rounds", self.rounds, low=1)
@@ -165,6 +178,14 @@ class FederationConfig:
         )
         check_range("federation.dropout", self.dropout, low=0.0, high=1.0, high_open=True)
         check_choice("federation.execution", self.execution, ("sequential", "batched"))
+        check_choice("federation.weight_aggregation", self.weight_aggregation, WEIGHT_RULES)
+        check_range(
+            "federation.weight_trim_ratio",
+            self.weight_trim_ratio,
+            low=0.0,
+            high=0.5,
+            high_open=True,
+        )
         for client, scale in self.poison.items():
             if not isinstance(scale, int | float) or isinstance(scale, bool):
                 raise ConfigError(f"federation.poison.{client} must be a number, got {scale!r}")
@@ -190,6 +211,9 @@ class RunConfig:
     threads: int | None = None  # None: all cores for feature extraction, 1 for training
     # the headline accuracy: final (the last round, VPDR) | last5 (mean of the last 5, FedDAP)
     headline: str = "final"
+    # where the rounds run: a name of protofl.engine.engines.ENGINE_REGISTRY (sim,
+    # flower, ...), checked by preflight before anything is created
+    engine: str = "sim"
 
     def __post_init__(self) -> None:
         if self.threads is not None:

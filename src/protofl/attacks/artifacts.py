@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from protofl.config import ExperimentConfig
+from protofl.seeding import Stream, derive_seed
 
 REQUIRED_FILES = ("config.yaml", "artifacts.pt")
 REQUIRED_KEYS = ("releases", "clients", "domains", "train_indices", "models")
@@ -307,10 +308,9 @@ def rebuild_clients(
 
 
 def _init_seed(seed: int) -> int:
-    """The engine's client-initialisation seed (``derive_seed(seed, 1)``)."""
-    from protofl.engine.simulation import derive_seed
+    """The engine's client-initialisation seed (the ``INIT`` stream)."""
 
-    return derive_seed(seed, 1)
+    return derive_seed(seed, Stream.INIT)
 
 
 def run_facts(art: RunArtifacts, round_: int) -> dict[str, Any]:

@@ -57,15 +57,11 @@ import numpy as np
 import torch
 from scipy.stats import beta, norm
 
-from protofl.privacy.accounting import (
-    calibrate_gaussian,
-    compose_epsilon,
-    gaussian_epsilon,
-)
+from protofl.privacy.accounting import epsilon_spent, gaussian_epsilon
 from protofl.privacy.base import MECHANISM_REGISTRY, Mechanism
 from protofl.privacy.config import PrivacyConfig
-from protofl.privacy.mechanisms import _PrototypeMechanism, release_many, vpp_budget
-from protofl.privacy.noise import derive_seed
+from protofl.privacy.mechanisms import _PrototypeMechanism, release_many
+from protofl.seeding import Stream, derive_seed
 
 MODES = ("fast", "release", "both")
 
@@ -196,19 +192,23 @@ def min_trials(epsilon: float, delta: float, confidence: float, bounds: int = 2)
 # --------------------------------------------------------------------------------------------
 # claimed guarantee of one release
 # --------------------------------------------------------------------------------------------
+def claimed_events(config: PrivacyConfig, *, rounds: int, dim: int) -> list[list[dict[str, Any]]]:
+    """The DP events of each of ``rounds`` releases as the REGISTERED mechanism of
+    ``config.privacy.mechanism`` calibrates them (``release_events``): the claim under test,
+    never taken from the audited object (a mechanism class that miscalibrates itself must not
+    lower its own claim)."""
+    cls = MECHANISM_REGISTRY.get(config.base_mechanism)
+    mech = cls(config, rounds=rounds, dim=dim)
+    if not mech.is_private:
+        raise ValueError(f"mechanism {config.mechanism!r} has no DP guarantee to audit")
+    return [mech.release_events(i) for i in range(rounds)]
+
+
 def per_release_epsilon(config: PrivacyConfig, *, rounds: int, dim: int) -> float:
-    """The epsilon of ONE release of a mechanism calibrated for ``rounds`` releases, recomputed
-    from the configuration (never from a mechanism object)."""
-    base = config.base_mechanism
-    if base == "igpp":
-        sigma = calibrate_gaussian(config.epsilon, config.delta, rounds, config.accountant)
-        return gaussian_epsilon(sigma, config.delta)
-    if base == "vpp":
-        b = vpp_budget(config, rounds=rounds, dim=dim)
-        inv = 1.0 / b.sigma_A**2 + 1.0 / b.sigma_B**2
-        pure = {b.eps_select: 1} if b.eps_select > 0 else {}
-        return compose_epsilon(inv, pure, delta=config.delta, accountant="pld")
-    raise ValueError(f"mechanism {config.mechanism!r} has no DP guarantee to audit")
+    """The epsilon of ONE release of a mechanism calibrated for ``rounds`` releases (the first
+    one, which carries any one-off selection), by the tight PLD composition."""
+    events = claimed_events(config, rounds=rounds, dim=dim)[0]
+    return epsilon_spent(_nonzero(events), delta=config.delta, accountant="pld")
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,18 +274,15 @@ def _canary_row(release: Any, canary_class: int) -> int:
 
 def run_epsilon(config: PrivacyConfig, *, rounds: int, dim: int) -> float:
     """The epsilon of a whole run (``rounds`` releases of one client) of a mechanism calibrated
-    for ``rounds`` releases, recomputed from the configuration (never from a mechanism object)
-    with the tight PLD composition: the guarantee the audit tests."""
-    base = config.base_mechanism
-    if base == "igpp":
-        sigma = calibrate_gaussian(config.epsilon, config.delta, rounds, config.accountant)
-        return compose_epsilon(rounds / sigma**2, {}, delta=config.delta, accountant="pld")
-    if base == "vpp":
-        b = vpp_budget(config, rounds=rounds, dim=dim)
-        inv = 1.0 / b.sigma_A**2 + 1.0 / b.sigma_B**2
-        pure = {b.eps_select: b.selections} if b.eps_select > 0 and b.selections else {}
-        return compose_epsilon(rounds * inv, pure, delta=config.delta, accountant="pld")
-    raise ValueError(f"mechanism {config.mechanism!r} has no DP guarantee to audit")
+    for ``rounds`` releases, from the registered mechanism's ``release_events`` composed with
+    the tight PLD accountant: the guarantee the audit tests."""
+    events = [e for ev in claimed_events(config, rounds=rounds, dim=dim) for e in ev]
+    return epsilon_spent(_nonzero(events), delta=config.delta, accountant="pld")
+
+
+def _nonzero(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Drop pure events of epsilon 0 (a selection that costs nothing)."""
+    return [e for e in events if not (e.get("kind") == "pure" and float(e["epsilon"]) == 0)]
 
 
 def scaled_noise(cls: type[Mechanism], factor: float) -> type[Mechanism]:
@@ -356,7 +353,10 @@ def _release_trials(
     for tag, feats in ((1, data.features_d), (2, data.features_dprime)):
         mech = build()
         names = [f"audit-{tag}-{t}" for t in range(trials)]
-        gens = [torch.Generator().manual_seed(derive_seed(seed, 7, tag, t)) for t in range(trials)]
+        gens = [
+            torch.Generator().manual_seed(derive_seed(seed, Stream.AUDIT, tag, t))
+            for t in range(trials)
+        ]
         out = np.zeros(trials)
         for _ in range(rounds):
             releases = release_many(

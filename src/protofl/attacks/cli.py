@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from protofl.privacy.base import private_mechanisms
+
 MIA_COLUMNS = (
     ("mia_auc", "AUC"),
     ("mia_tpr_at_1fpr", "TPR@1%FPR"),
@@ -242,7 +244,7 @@ def add_attack_parsers(subparsers: Any) -> tuple[argparse.ArgumentParser, argpar
     audit: argparse.ArgumentParser = subparsers.add_parser(
         "audit", help="empirical lower bound on a mechanism's epsilon (exit 1 on a violation)"
     )
-    audit.add_argument("--mechanism", choices=("igpp", "vpp", "vpdr"), required=True)
+    audit.add_argument("--mechanism", choices=private_mechanisms(), required=True)
     audit.add_argument("--epsilon", type=float, required=True)
     audit.add_argument("--delta", type=float, default=1e-5)
     audit.add_argument(

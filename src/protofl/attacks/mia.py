@@ -43,6 +43,8 @@ import numpy as np
 import torch
 from sklearn.metrics import precision_recall_curve, roc_auc_score, roc_curve
 
+from protofl.seeding import Stream, derive_seed
+
 MAX_PER_CLASS = 800
 """VPDR App. E.6.2: at most 800 members and 800 non-members per class."""
 
@@ -288,6 +290,41 @@ def calibrated_scores(
         lr_m[sel_m] = likelihood_ratio_scores(members[sel_m], idx_m[sel_m], rel, mu, var, m)
         lr_n[sel_n] = likelihood_ratio_scores(nonmembers[sel_n], idx_n[sel_n], rel, mu, var, m)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# the engine's per-round diagnostic (the runner wires it in as an upload hook)
+# --------------------------------------------------------------------------------------------
+class MembershipDiagnostic:
+    """An upload hook (``Simulation(upload_hooks=...)``): the paper's audit (VPDR App. E.6.2)
+    on every ``every``-th round's releases, written to ``sim.last_mia`` (a local-only
+    diagnostic: computed on the client's private data, never sent)."""
+
+    def __init__(self, every: int) -> None:
+        if every < 1:
+            raise ValueError(f"run.mia_every={every!r}: a diagnostic runs every k >= 1 rounds")
+        self.every = every
+
+    def __call__(self, sim: Any, client: Any, features: torch.Tensor, release: Any) -> None:
+        if (sim.round + 1) % self.every:
+            return
+        c = client
+        with torch.no_grad():
+            test_f = sim.method.upload_features(c.model, c.data.test_z.float())
+        sim.last_mia[c.data.name] = mia_on_release(
+            features,
+            c.data.train_y,
+            test_f,
+            c.data.test_y,
+            release,
+            seed=derive_seed(sim.config.seed, Stream.DIAGNOSTICS, c.data.client, sim.round),
+        )
+
+
+def diagnostics_for(config: Any) -> list[MembershipDiagnostic]:
+    """The upload hooks ``config.run`` asks for (``mia_every``)."""
+    every = int(config.run.mia_every)
+    return [MembershipDiagnostic(every)] if every else []
 
 
 # --------------------------------------------------------------------------------------------

@@ -56,10 +56,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from protofl.methods.base import GlobalState, Method
+from protofl.methods.objectives import LocalObjective, Step, nearest_prototype
 from protofl.models.client import ClientModel, ResidualAdapter
-from protofl.privacy.dcr import soft_clip
-from protofl.report.norms import feature_norm_stats
+from protofl.privacy.dcr import distillation, ema_, soft_clip
 
 if TYPE_CHECKING:
     from protofl.engine.simulation import Client, Simulation
@@ -74,35 +73,6 @@ DEFAULT_MEMORY_BUDGET = 256 * 2**20
 # --------------------------------------------------------------------------------------------
 # what can be batched
 # --------------------------------------------------------------------------------------------
-def batchable_objective(method: Method) -> tuple[str, float] | None:
-    """``("ce", 0)``, ``("proto", lam)`` or ``("prox", mu)`` for a method whose local objective
-    is batched here; None otherwise.  Exact types only, so a subclass that changes the objective
-    is not taken.
-
-    ``ce``: cross-entropy (``local``; ``fedavg``, whose weight averaging the engine does after
-    training); ``proto``: cross-entropy + ``lam`` * MSE to the global prototypes (``fedproto``,
-    ``fedtgp``); ``prox``: cross-entropy + ``mu``/2 * ||w - w_global||^2 (``fedprox``).
-    """
-    from protofl.methods.baselines import FedAvg, FedProx
-    from protofl.methods.fedproto import FedProto, Local
-
-    kinds: dict[type, str] = {Local: "ce", FedAvg: "ce", FedProto: "proto", FedProx: "prox"}
-    try:
-        from protofl.methods.fedtgp import FedTGP
-    except ImportError:  # pragma: no cover - the method zoo is optional here
-        pass
-    else:
-        kinds[FedTGP] = "proto"
-    kind = kinds.get(type(method))
-    if kind is None:
-        return None
-    if kind == "ce":
-        return "ce", 0.0
-    if kind == "prox":
-        return "prox", float(method.params["mu"])
-    return "proto", float(method.params["lam"])
-
-
 def _head_layout(head: nn.Module) -> str | None:
     """``linear`` or ``mlp`` (Linear, ReLU, Linear) when the head is one we batch."""
     if type(head) is nn.Linear and head.bias is not None:
@@ -447,8 +417,12 @@ class BatchedTrainer:
         # torch's default single-tensor AdamW (bitwise the sequential mode's update, slower)
         self.optimizer = optimizer if hasattr(torch, "_fused_adamw_") else "reference"
         self.reason: str | None = None
-        self.objective = batchable_objective(sim.method)
+        # the method says whether it can batch: a declared objective and evaluation rule
+        self.objective: LocalObjective | None = (
+            sim.method.objective() if sim.method.batchable else None
+        )
         if self.objective is None:
+            # (it overrides client_loss or predict without declaring objective / prediction)
             self.reason = f"method {sim.method.name} cannot batch"
         else:
             self.reason = self._check_clients(sim.clients)
@@ -653,7 +627,7 @@ class BatchedTrainer:
         sim = self.sim
         store = self.store
         assert store is not None and self.objective is not None
-        kind, lam = self.objective
+        objective = self.objective
         clients = group.clients
         m = len(clients)
         feats = torch.cat([c.data.train_z for c in clients])
@@ -675,17 +649,11 @@ class BatchedTrainer:
             }
         dcr = clients[0].dcr
         dcr_steps = torch.tensor([c.dcr.steps for c in clients]) if dcr is not None else None
-        table, has = self._targets(sim.global_state) if kind == "proto" else (None, None)
-        anchor: dict[str, torch.Tensor] = {}
-        if kind == "prox" and lam != 0:
-            # FedProx's w_global: the snapshot its begin_local took of each client's weights
-            from protofl.methods.baselines import FedProx
-
-            anchor = {
-                n: torch.stack([c.state.tensors[FedProx.PREFIX + n] for c in clients])
-                for n in self.names
-            }
-
+        # the method's declared terms, prepared once for the group (prototype table, anchors)
+        prepared = objective.prepare(
+            sim.global_state, [c.state for c in clients], sim.data.num_classes
+        )
+        has_param_terms = bool(objective.param_terms)
         loss_sum = torch.zeros(m, dtype=torch.float64)
         for s in range(group.steps[0]):
             k = int((steps_of > s).sum())  # clients still stepping: a prefix
@@ -704,38 +672,27 @@ class BatchedTrainer:
                 f_raw = self._features(w, g, z)
                 f = soft_clip(f_raw, dcr.radius, dcr.gamma, dcr.mode) if dcr else f_raw
                 logits = self._head(w, g, f)
-                count = ok.sum(dim=1).to(f.dtype)
-                okf = ok.to(f.dtype)
-                ce = F.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none"
-                ).view(b - a, width)
-                loss = (ce * okf).sum(dim=1) / count
-                if table is not None and has is not None:
-                    hit = has[y] & ok
-                    n_hit = hit.sum(dim=1)
-                    if bool((n_hit > 0).any()):
-                        sq = ((f - table[y]) ** 2).sum(dim=-1) * hit.to(f.dtype)
-                        mse = sq.sum(dim=1) / (n_hit * f.shape[-1]).clamp_min(1).to(f.dtype)
-                        loss = torch.where(n_hit > 0, loss + lam * mse, loss)
+                rows_ = slice(a, b)
+                step = Step(f=f, logits=logits, y=y, ok=ok)
+                loss = objective.feature_loss(step, prepared, rows_)
                 if dcr is not None and dcr_steps is not None and dcr.weight != 0:
                     kd_on = dcr_steps[a:b] >= dcr.warmup
                     if bool(kd_on.any()):
                         with torch.no_grad():
                             t_logits = self._teacher({n: t[a:b] for n, t in teacher.items()}, f_raw)
-                        log_p_s = F.log_softmax(logits / dcr.tau, dim=-1)
-                        log_p_t = F.log_softmax(t_logits.to(logits.dtype) / dcr.tau, dim=-1)
-                        kl = (log_p_t.exp() * (log_p_t - log_p_s)).sum(dim=-1)
-                        kd = dcr.weight * dcr.tau**2 * ((kl * okf).sum(dim=1) / count)
+                        kl = distillation(logits, t_logits, dcr.tau, ok)
+                        kd = dcr.weight * dcr.tau**2 * kl
                         loss = loss + torch.where(kd_on, kd, torch.zeros_like(kd))
                 losses.append(loss)
             loss = torch.cat(losses) if len(losses) > 1 else losses[0]
-            if anchor:
-                with torch.no_grad():  # its gradient is added below, in closed form
-                    prox = sum(
-                        (params[n][:k] - anchor[n][:k]).pow(2).flatten(1).sum(dim=1)
-                        for n in self.names
+            param_grads: dict[str, torch.Tensor] = {}
+            if has_param_terms:
+                with torch.no_grad():  # their gradients are added below, in closed form
+                    value, param_grads = objective.param_loss(
+                        {n: params[n][:k] for n in self.names}, prepared, slice(0, k), k
                     )
-                loss = loss + 0.5 * lam * prox
+                if value is not None:
+                    loss = loss + value
             if not bool(torch.isfinite(loss).all()):
                 bad = int((~torch.isfinite(loss)).nonzero()[0, 0])
                 raise FloatingPointError(
@@ -744,8 +701,8 @@ class BatchedTrainer:
                 )
             loss.sum().backward()
             with torch.no_grad():
-                for n in anchor:  # d/dw of mu/2 ||w - w_global||^2
-                    grads[n][:k].add_(params[n][:k] - anchor[n][:k], alpha=lam)
+                for n, g_n in param_grads.items():  # the parameter terms' gradients
+                    grads[n][:k].add_(g_n)
                 for n in self.names:
                     opt_step[n][:k] += 1
                 self._adamw(params, grads, exp_avg, exp_avg_sq, opt_step, k)
@@ -767,18 +724,6 @@ class BatchedTrainer:
         return [float(loss_sum[i]) / max(group.steps[i], 1) for i in range(m)]
 
     # ----- pieces -----------------------------------------------------------------------------
-    def _targets(self, gs: GlobalState) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The per-class global prototype table and which classes have one (None: no term)."""
-        if not gs or "classes" not in gs or len(gs["classes"]) == 0:
-            return None, None
-        protos, classes = gs["prototypes"], gs["classes"]
-        num_classes = self.sim.data.num_classes
-        table = torch.zeros(num_classes, protos.shape[1], dtype=protos.dtype)
-        has = torch.zeros(num_classes, dtype=torch.bool)
-        table[classes] = protos
-        has[classes] = True
-        return table, has
-
     def _linear(
         self,
         w: dict[str, torch.Tensor],
@@ -890,13 +835,13 @@ class BatchedTrainer:
         for n, t in teacher.items():
             s = params["head." + n][:k]
             if not any(sync):
-                t[:k].mul_(beta).add_(s, alpha=1.0 - beta)
+                ema_(t[:k], s, beta)
                 continue
             for i in range(k):
                 if sync[i]:
                     t[i].copy_(s[i])
                 else:
-                    t[i].mul_(beta).add_(s[i], alpha=1.0 - beta)
+                    ema_(t[i], s[i], beta)
 
     # ----- uploads and evaluation (engine hooks) ---------------------------------------------
     @torch.no_grad()
@@ -946,64 +891,11 @@ class BatchedTrainer:
         return torch.baddbmm(w["proj.bias"].unsqueeze(1), a, w["proj.weight"].transpose(1, 2))
 
     def collect_uploads(self, active: Sequence[bool] | None = None) -> list[Any]:
-        """:meth:`Simulation.collect_uploads` with batched features and
-        :func:`~protofl.privacy.mechanisms.release_many`: the same uploads, releases, ledger
-        entries, feature-norm and membership-inference diagnostics, poisoned uploads
-        (``federation.poison``) and ``sim.releases`` row.
-
-        The engine may instead keep its own loop and take only the two vectorised steps:
-        ``feats = trainer.features_many(active_clients)`` and ``release_many(...)``.
-        """
-        from dataclasses import replace
-
-        from protofl.engine.simulation import derive_seed
-        from protofl.privacy.mechanisms import release_many
-
-        sim = self.sim
-        chosen = [c for i, c in enumerate(sim.clients) if active is None or active[i]]
-        norms: dict[str, Any] = {}
-        mia: dict[str, Any] = {}
-        sim.last_feature_norms = norms
-        sim.last_mia = mia
-        poison = getattr(sim.config.federation, "poison", {}) or {}
-        every = int(getattr(sim.config.run, "mia_every", 0) or 0)
-        by_client: dict[int, Any] = {}
-        if sim.method.uses_prototypes and chosen:
-            for c in chosen:
-                c.model.eval()
-            feats = self.features_many(chosen)
-            for c, f in zip(chosen, feats):
-                # a local diagnostic (VPDR Fig. 4a): never uploaded, not covered by the DP claim
-                norms[c.data.name] = feature_norm_stats(f, clip=sim.config.privacy.clip)
-            releases = release_many(
-                sim.mechanism,
-                feats,
-                [c.data.train_y for c in chosen],
-                num_classes=sim.data.num_classes,
-                generators=[c.noise_gen for c in chosen],
-                clients=[c.data.name for c in chosen],
-                cluster_fn=sim.method.cluster_fn(),
-            )
-            for c, f, release in zip(chosen, feats, releases):
-                c.ledger.record(sim.round, release)
-                scale = poison.get(c.data.name)
-                if scale is not None:  # attack simulation, as the engine: flipped and scaled
-                    release = replace(release, prototypes=-float(scale) * release.prototypes)
-                if every and (sim.round + 1) % every == 0:
-                    from protofl.attacks.mia import mia_on_release
-
-                    with torch.no_grad():
-                        test_f = sim.method.upload_features(c.model, c.data.test_z.float())
-                    mia[c.data.name] = mia_on_release(
-                        f,
-                        c.data.train_y,
-                        test_f,
-                        c.data.test_y,
-                        release,
-                        seed=derive_seed(sim.config.seed, 5, c.data.client, sim.round),
-                    )
-                by_client[c.data.client] = release
-        return sim.record_uploads(by_client, active)  # type: ignore[no-any-return]
+        """:meth:`Simulation.collect_uploads` with batched features (:meth:`features_many`)
+        and the mechanism's vectorised release: the same uploads, releases, ledger entries,
+        diagnostics, poisoned uploads and ``sim.releases`` row, through the simulation's one
+        upload loop (:meth:`Simulation.upload`)."""
+        return self.sim.upload(active, self.features_many, vectorise=True)  # type: ignore[no-any-return]
 
     @torch.no_grad()
     def predict_many(self, clients: Sequence[Client], z: torch.Tensor) -> torch.Tensor:
@@ -1016,9 +908,7 @@ class BatchedTrainer:
         sim = self.sim
         gs = sim.global_state
         method = sim.method
-        proto_eval = (
-            bool(gs) and method.params.get("eval", "classifier") == "prototype" and len(gs) > 0
-        )
+        proto_eval = bool(gs) and method.prediction() == "prototype"
         store = self._ensure_store()
         store.adopt_all(clients, optimizer=False)
         z_key = z  # the caller's tensor keys the proj(z) cache (float16 features: upcast here)
@@ -1081,9 +971,7 @@ class BatchedTrainer:
     ) -> torch.Tensor:
         gs = self.sim.global_state
         if proto_eval:
-            protos = gs["prototypes"].to(f.dtype)
-            dist = torch.cdist(f, protos.unsqueeze(0).expand(f.shape[0], -1, -1))
-            return gs["classes"][dist.argmin(dim=-1)]
+            return nearest_prototype(f, gs)
         if self.head == "linear":
             logits = torch.baddbmm(w["head.bias"].unsqueeze(1), f, w["head.weight"].transpose(1, 2))
         else:

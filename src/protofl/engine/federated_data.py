@@ -12,12 +12,16 @@ from typing import Any
 import numpy as np
 import torch
 
+import protofl.models  # noqa: F401  (registers every backbone)
 from protofl.config import ExperimentConfig
 from protofl.data import DATASET_REGISTRY
 from protofl.data.base import MultiDomainDataset
 from protofl.data.features import cached_features
 from protofl.data.partition import dirichlet_split, equal_shards, subsample
-from protofl.models.backbones import FrozenBackbone, backbone_class
+from protofl.methods import create_method
+from protofl.models.backbones import FrozenBackbone, backbone_class, check_backbone_options
+from protofl.privacy import MECHANISM_REGISTRY
+from protofl.seeding import DATA_TAG
 
 log = logging.getLogger(__name__)
 
@@ -105,14 +109,15 @@ def check_data_options(name: str, loader: Any, options: Mapping[str, Any]) -> No
 def preflight(config: ExperimentConfig) -> None:
     """Everything about ``config`` that can be checked before a folder is made or data is
     loaded: the data set, its options and root, the backbone and its options, the method and its
-    parameters (the mechanism and every range were checked when the config was built)."""
-    from protofl.methods import create_method
-
+    parameters, the mechanism (every range was checked when the config was built).  The names
+    are the registries' (no other list of them exists)."""
     info = DATASET_REGISTRY.get(config.data.name)
     check_data_options(config.data.name, info.loader, config.data.options)
     if config.data.root is not None and not Path(config.data.root).exists():
         raise ValueError(f"data.root={config.data.root!r} does not exist")
     backbone_class(config.backbone)
+    check_backbone_options(config.backbone.name, config.backbone.options)
+    MECHANISM_REGISTRY.get(config.privacy.mechanism)
     create_method(
         config.method.name,
         config.method.params,
@@ -179,7 +184,7 @@ def build_federated_data(
     preset = data_preset(config)
     fraction = float(preset.get("train_fraction", dcfg.train_fraction))
     per_client_fraction = (dcfg.fraction_unit or preset.get("fraction_unit")) == "client"
-    rng = np.random.default_rng(np.random.SeedSequence([config.seed, 0xDA7A]))
+    rng = np.random.default_rng(np.random.SeedSequence([config.seed, DATA_TAG]))
     clients: list[ClientData] = []
     cache_opts: dict[str, Any] = {
         "use_cache": config.backbone.feature_cache,

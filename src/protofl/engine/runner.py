@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from protofl import __version__
+from protofl.attacks.mia import diagnostics_for
 from protofl.config import ExperimentConfig
 from protofl.data.cache import protofl_home
 from protofl.engine.checkpoint import load_latest_checkpoint, save_checkpoint
@@ -152,7 +153,7 @@ def _execute(
             # the trainable part is tiny: one intra-op thread avoids oversubscription (measured
             # 10x faster per step on a loaded 2-core machine); extraction above used them all
             torch.set_num_threads(1)
-        sim = Simulation(config, data)
+        sim = Simulation(config, data, upload_hooks=diagnostics_for(config))
         metrics_path = run_dir / "metrics.jsonl"
         if resume:
             state = load_latest_checkpoint(run_dir)

@@ -1,21 +1,33 @@
-"""The in-process simulator: deterministic rounds of release -> aggregate -> train -> evaluate."""
+"""The in-process simulator: deterministic rounds of release -> aggregate -> train -> evaluate.
+
+The server-side steps of a round are :mod:`protofl.engine.round`'s (shared with the Flower
+strategy); this module holds the clients and runs their side, one after another or batched
+(:mod:`protofl.engine.batched`).
+"""
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from protofl.config import ExperimentConfig
 from protofl.engine.federated_data import ClientData, FederatedData
 from protofl.engine.optimizers import make_optimizer
+from protofl.engine.round import (
+    RoundMetrics,
+    average_weights,
+    missing_classes,
+    privacy_status,
+    round_metrics,
+    select_participants,
+    validate_uploads,
+)
 from protofl.methods import create_method
 from protofl.methods.base import Batch, ClientState, GlobalState, Method, Upload
 from protofl.models.backbones import backbone_class
@@ -24,16 +36,16 @@ from protofl.privacy import create_mechanism
 from protofl.privacy.base import Mechanism, Release
 from protofl.privacy.guarantee import describe_guarantee
 from protofl.privacy.ledger import PrivacyLedger
-from protofl.privacy.noise import derive_seed, noise_generator, resolve_noise_mode
+from protofl.privacy.noise import noise_generator, resolve_noise_mode
 from protofl.report.norms import feature_norm_stats
+from protofl.seeding import Stream, derive_seed, generator
 
 log = logging.getLogger(__name__)
 
 EVAL_BATCH = 2048
 
-LOCAL_ONLY_FIELDS = ("feature_norms", "mia", "privacy.partition_overlap", "train_loss")
-"""Fields of a metrics row computed on clients' private data outside the privacy mechanism:
-diagnostics for the experimenter's own run files, never sent by a deployed client."""
+UploadHook = Callable[["Simulation", "Client", torch.Tensor, Release], None]
+"""A local-only diagnostic run on each release as sent (see ``Simulation.upload``)."""
 
 
 @dataclass
@@ -50,58 +62,21 @@ class Client:
     dcr: Any = None
 
 
-@dataclass
-class RoundMetrics:
-    """One round's results (accuracies are fractions in [0, 1])."""
-
-    round: int
-    acc: dict[str, float]
-    client_acc: dict[str, float]
-    avg_acc: float
-    std_acc: float
-    train_loss: float
-    wall_s: float
-    privacy: dict[str, Any] = field(default_factory=dict)
-    holdout_acc: float | None = None
-    participants: list[str] = field(default_factory=list)
-    rejected: list[dict[str, str]] = field(default_factory=list)
-    feature_norms: dict[str, dict[str, float]] = field(default_factory=dict)
-    mia: dict[str, dict[str, float]] = field(default_factory=dict)
-    missing_classes: list[int] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-safe dict for metrics.jsonl."""
-        return {
-            "round": self.round,
-            "acc": self.acc,
-            "client_acc": self.client_acc,
-            "avg_acc": self.avg_acc,
-            "std_acc": self.std_acc,
-            "train_loss": self.train_loss,
-            "wall_s": self.wall_s,
-            "privacy": self.privacy,
-            "holdout_acc": self.holdout_acc,
-            "participants": self.participants,
-            "rejected": self.rejected,
-            "feature_norms": self.feature_norms,
-            "mia": self.mia,
-            "missing_classes": self.missing_classes,
-            "local_only": list(LOCAL_ONLY_FIELDS),
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> RoundMetrics:
-        """Inverse of :meth:`to_json`."""
-        return cls(**{k: v for k, v in data.items() if k != "local_only"})
-
-
 class Simulation:
     """Holds clients, server method state and the mechanism; ``run_round`` advances one round."""
 
     def __init__(
-        self, config: ExperimentConfig, data: FederatedData, *, deployment: bool = False
+        self,
+        config: ExperimentConfig,
+        data: FederatedData,
+        *,
+        deployment: bool = False,
+        upload_hooks: Sequence[UploadHook] = (),
     ) -> None:
         self.config = config
+        # called with (simulation, client, released features, release as sent) after each
+        # release: local-only diagnostics the runner wires in (membership inference)
+        self.upload_hooks = list(upload_hooks)
         # derived (reproducible; whoever holds the config can remove the noise) or secret
         self.noise_mode = resolve_noise_mode(config.privacy.noise_seed, deployment=deployment)
         self.data = data
@@ -122,7 +97,7 @@ class Simulation:
         self.global_state: GlobalState = {}
         self.round = 0
         backbone_cls = backbone_class(config.backbone)
-        init_seed = derive_seed(config.seed, 1)
+        init_seed = derive_seed(config.seed, Stream.INIT)
         self.clients: list[Client] = []
         # identical frozen parameters (a frozen projection, frozen transformer blocks) are held
         # once for all clients instead of once per client; trainable ones stay per client
@@ -153,7 +128,7 @@ class Simulation:
                     ledger=PrivacyLedger(
                         delta=config.privacy.delta, accountant=config.privacy.accountant
                     ),
-                    train_gen=torch.Generator().manual_seed(derive_seed(config.seed, 2, cd.client)),
+                    train_gen=generator(config.seed, Stream.TRAIN, cd.client),
                     noise_gen=noise_generator(self.noise_mode, config.seed, cd.client),
                     dcr=dcr,
                 )
@@ -180,7 +155,7 @@ class Simulation:
         self.last_mia: dict[str, dict[str, float]] = {}
         self.history: list[RoundMetrics] = []
         self.batched: Any = None
-        self.server_gen = torch.Generator().manual_seed(derive_seed(config.seed, 4))
+        self.server_gen = generator(config.seed, Stream.SERVER)
         # local-only diagnostics (computed on private data) are kept; a deployed client sends none
         self.diagnostics = True
         # with noisy add/remove counts, the server weights a client by the sum of its last noisy
@@ -202,18 +177,8 @@ class Simulation:
 
     # ----- one round --------------------------------------------------------------------------
     def select_participants(self) -> list[bool]:
-        """Which clients take part this round (seeded sampling, then independent dropout)."""
-        fed = self.config.federation
-        m = len(self.clients)
-        chosen = [True] * m
-        if fed.participation < 1.0:
-            k = max(1, math.ceil(fed.participation * m))
-            picked = torch.randperm(m, generator=self.server_gen)[:k].tolist()
-            chosen = [i in picked for i in range(m)]
-        if fed.dropout > 0:
-            drops = torch.rand(m, generator=self.server_gen) < fed.dropout
-            chosen = [ch and not bool(d) for ch, d in zip(chosen, drops)]
-        return chosen
+        """Which clients take part this round (:func:`protofl.engine.round.select_participants`)."""
+        return select_participants(self.config.federation, len(self.clients), self.server_gen)
 
     def batched_trainer(self) -> Any:
         """The :class:`~protofl.engine.batched.BatchedTrainer` when ``federation.execution`` is
@@ -235,54 +200,59 @@ class Simulation:
         releases, ledger entries and diagnostics; see ``BatchedTrainer.collect_uploads``).
         """
         trainer = self.batched_trainer()
-        if trainer is not None:
+        if trainer is not None and self.method.default_upload_features:
             return trainer.collect_uploads(active)  # type: ignore[no-any-return]
+        return self.upload(active, self.upload_features, vectorise=False)
+
+    def upload_features(self, clients: Sequence[Client]) -> list[torch.Tensor]:
+        """``method.upload_features`` of each client's training inputs (eval mode, no grad)."""
+        out = []
+        for c in clients:
+            c.model.eval()
+            with torch.no_grad():
+                out.append(self.method.upload_features(c.model, c.data.train_z.float()))
+        return out
+
+    def upload(
+        self,
+        active: Sequence[bool] | None,
+        features_of: Callable[[Sequence[Client]], list[torch.Tensor]],
+        *,
+        vectorise: bool,
+    ) -> list[Upload]:
+        """The round's releases, whichever executor computed the features: the mechanism
+        releases every active client's prototypes (``vectorise``: all at once, see
+        :meth:`~protofl.privacy.base.Mechanism.release_many`), each ledger is charged, the
+        local-only diagnostics and upload hooks run, and poisoned clients (attack simulation)
+        send their release flipped and scaled."""
+        chosen = [c for i, c in enumerate(self.clients) if active is None or active[i]]
         norms: dict[str, dict[str, float]] = {}
-        mia: dict[str, dict[str, float]] = {}
         self.last_feature_norms = norms
-        self.last_mia = mia
-        cluster_fn = self.method.cluster_fn()
+        self.last_mia = {}
         sent: dict[int, Release | None] = {}
-        for i, c in enumerate(self.clients):
-            release = None
-            if active is not None and not active[i]:
-                continue
-            if self.method.uses_prototypes:
-                c.model.eval()
-                with torch.no_grad():
-                    feats = self.method.upload_features(c.model, c.data.train_z.float())
-                # a local diagnostic (VPDR Fig. 4a): never uploaded, not covered by the DP claim
-                norms[c.data.name] = feature_norm_stats(feats, clip=self.config.privacy.clip)
-                release = self.mechanism.release(
-                    feats,
-                    c.data.train_y,
-                    num_classes=self.data.num_classes,
-                    generator=c.noise_gen,
-                    client=c.data.name,
-                    cluster_fn=cluster_fn,
-                )
+        if self.method.uses_prototypes and chosen:
+            feats = features_of(chosen)
+            releases = self.mechanism.release_many(
+                feats,
+                [c.data.train_y for c in chosen],
+                num_classes=self.data.num_classes,
+                generators=[c.noise_gen for c in chosen],
+                clients=[c.data.name for c in chosen],
+                cluster_fn=self.method.cluster_fn(),
+                vectorise=vectorise,
+            )
+            for c, f, release in zip(chosen, feats, releases):
                 c.ledger.record(self.round, release)
+                # a local diagnostic (VPDR Fig. 4a): never uploaded, not covered by the DP claim
+                norms[c.data.name] = feature_norm_stats(f, clip=self.config.privacy.clip)
                 scale = self.config.federation.poison.get(c.data.name)
                 if scale is not None:
                     # attack simulation (robust-aggregation experiments): after its honest
                     # release, this client sends its prototypes flipped and scaled
                     release = replace(release, prototypes=-float(scale) * release.prototypes)
-                k = self.config.run.mia_every
-                if k and (self.round + 1) % k == 0:
-                    # the paper's audit (VPDR App. E.6.2) on this very release
-                    from protofl.attacks.mia import mia_on_release
-
-                    with torch.no_grad():
-                        test_f = self.method.upload_features(c.model, c.data.test_z.float())
-                    mia[c.data.name] = mia_on_release(
-                        feats,
-                        c.data.train_y,
-                        test_f,
-                        c.data.test_y,
-                        release,
-                        seed=derive_seed(self.config.seed, 5, c.data.client, self.round),
-                    )
-            sent[c.data.client] = release
+                for hook in self.upload_hooks:
+                    hook(self, c, f, release)
+                sent[c.data.client] = release
         return self.record_uploads(sent, active)
 
     def record_uploads(
@@ -319,7 +289,9 @@ class Simulation:
         resumed runs repeat exactly; the global generator is left as it was.
         """
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(self.config.seed, 6, c.data.client, self.round))
+            torch.manual_seed(
+                derive_seed(self.config.seed, Stream.LOCAL_RNG, c.data.client, self.round)
+            )
             return self._train_client(c)
 
     def _train_client(self, c: Client) -> float:
@@ -372,17 +344,17 @@ class Simulation:
         return [self.train_client(c) for c in clients]
 
     def average_weights(self, active: Sequence[bool] | None = None) -> None:
-        """FedAvg (sample-weighted) of the weights of the clients that trained; sent to all."""
+        """The weights of the clients that trained, combined by ``federation.weight_aggregation``
+        (:func:`protofl.engine.round.average_weights`; FedAvg's sample-weighted mean by
+        default); sent to all."""
+        fed = self.config.federation
         members = [c for i, c in enumerate(self.clients) if active is None or active[i]]
-        weights = torch.tensor([self.public_count(c) for c in members], dtype=torch.float64)
-        weights = (
-            weights / weights.sum() if float(weights.sum()) > 0 else weights.fill_(1 / len(members))
+        avg = average_weights(
+            [c.model.state_dict() for c in members],
+            [self.public_count(c) for c in members],
+            rule=fed.weight_aggregation,
+            trim_ratio=fed.weight_trim_ratio,
         )
-        states = [c.model.state_dict() for c in members]
-        avg = {
-            k: sum(float(w) * s[k].double() for w, s in zip(weights, states)).to(states[0][k].dtype)
-            for k in states[0]
-        }
         for c in self.clients:
             c.model.load_state_dict(avg)
         self.global_state["__weights_round"] = torch.tensor(self.round)
@@ -438,26 +410,19 @@ class Simulation:
         if self.method.shares_weights and any(active):
             self.average_weights(active)
         client_acc = self.evaluate()
-        per_domain: dict[str, list[float]] = {}
-        for c in self.clients:
-            per_domain.setdefault(c.data.domain_name, []).append(client_acc[c.data.name])
-        acc = {d: float(np.mean(v)) for d, v in per_domain.items()}
-        values = list(acc.values())
-        metrics = RoundMetrics(
-            round=self.round + 1,
-            acc=acc,
+        metrics = round_metrics(
+            round_number=self.round + 1,
             client_acc=client_acc,
-            avg_acc=float(np.mean(values)),
-            std_acc=float(np.std(values)),
-            train_loss=float(np.mean(losses)) if losses else math.nan,
+            domain_of={c.data.name: c.data.domain_name for c in self.clients},
+            losses=losses,
             wall_s=time.perf_counter() - t0,
             privacy=self.privacy_status(),
             holdout_acc=self.evaluate_holdout(),
             participants=[c.data.name for c, a in zip(self.clients, active) if a],
+            rejected=rejected,
             feature_norms=self.last_feature_norms,
             mia=self.last_mia,
-            missing_classes=missing,
-            rejected=rejected,
+            missing=missing,
         )
         self.round += 1
         self.history.append(metrics)
@@ -467,65 +432,33 @@ class Simulation:
         """Classes no accepted upload carries this round (reported, never invented)."""
         if not self.method.uses_prototypes or not accepted:
             return []
-        present: set[int] = set()
-        for up in accepted:
-            if up.release is not None:
-                present.update(int(c) for c in up.release.classes.tolist())
-        missing = [c for c in range(self.data.num_classes) if c not in present]
-        if missing:
-            log.warning(
-                "round %d: no client uploaded a prototype of class(es) %s", self.round + 1, missing
-            )
-        return missing
+        return missing_classes(accepted, self.data.num_classes, self.round + 1)
 
     def validate(self, uploads: list[Upload]) -> tuple[list[Upload], list[dict[str, str]]]:
         """Server-side upload validation; rejected uploads are logged and left out."""
-        from protofl.methods.validation import validate_upload
-
-        accepted, rejected = [], []
-        for up in uploads:
-            client = self.clients[up.client]
-            reason = validate_upload(
-                up,
-                declared_domain=client.data.domain,
-                num_classes=self.data.num_classes,
-                dim=self.config.backbone.proto_dim,
-                norm_bound=self.mechanism.norm_bound,
-                one_per_class=self.method.cluster_fn() is None,
-            )
-            if reason is None:
-                accepted.append(up)
-            else:
-                log.warning(
-                    "round %d: rejected upload of client %r: %s",
-                    self.round + 1,
-                    client.data.name,
-                    reason,
-                )
-                rejected.append({"client": client.data.name, "reason": reason})
-        return accepted, rejected
+        return validate_uploads(
+            uploads,
+            names={c.data.client: c.data.name for c in self.clients},
+            domains={c.data.client: c.data.domain for c in self.clients},
+            num_classes=self.data.num_classes,
+            dim=self.config.backbone.proto_dim,
+            norm_bound=self.mechanism.norm_bound,
+            one_per_class=self.method.cluster_fn() is None,
+            round_number=self.round + 1,
+        )
 
     def privacy_status(self) -> dict[str, Any]:
         """Epsilon spent per client (None without a guarantee) and the release facts."""
-        if not self.method.uses_prototypes:
-            return {"mechanism": "n/a (no prototype release)"}
-        # clients with the same privacy events spend the same epsilon: account each distinct
-        # ledger once (a PLD composition costs ~20 ms, i.e. 20 s a round at 1000 clients)
-        memo: dict[str, float | None] = {}
-        eps: dict[str, float | None] = {}
-        for c in self.clients:
-            key = c.ledger.fingerprint()
-            if key not in memo:
-                memo[key] = c.ledger.epsilon_spent()
-            eps[c.data.name] = memo[key]
-        status: dict[str, Any] = {"epsilon_spent": eps}
         last = [r for r in self.releases[-1] if r is not None] if self.releases else []
-        overlaps = [
-            r.diagnostics["partition_overlap"] for r in last if "partition_overlap" in r.diagnostics
-        ]
-        if overlaps:  # local-only diagnostic (computed on private data, never uploaded)
-            status["partition_overlap"] = float(np.mean(overlaps))
-        return status
+        return privacy_status(
+            {c.data.name: c.ledger for c in self.clients},
+            uses_prototypes=self.method.uses_prototypes,
+            partition_overlaps=[
+                r.diagnostics["partition_overlap"]
+                for r in last
+                if "partition_overlap" in r.diagnostics
+            ],
+        )
 
     def guarantee(self) -> dict[str, Any]:
         """What this run's per-client guarantee covers (see :mod:`protofl.privacy.guarantee`)."""
@@ -640,13 +573,3 @@ def summarise(history: Sequence[RoundMetrics]) -> dict[str, Any]:
         "final_train_loss": last.train_loss,
         "holdout_acc": last.holdout_acc,
     }
-
-
-def initial_loss(sim: Simulation) -> float:
-    """Mean cross-entropy of the untrained clients on their training data (a baseline)."""
-    vals = []
-    with torch.no_grad():
-        for c in sim.clients:
-            _, logits = c.model(c.data.train_z.float())
-            vals.append(float(F.cross_entropy(logits, c.data.train_y)))
-    return float(np.mean(vals)) if vals else math.nan

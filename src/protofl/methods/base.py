@@ -6,9 +6,16 @@ A method never runs an engine loop. The engine (``protofl.engine``) calls, per r
    (with ``cluster_fn`` when the method releases several prototypes per class);
 2. ``aggregate`` on the server with every client's :class:`Upload`, giving the broadcast
    :data:`GlobalState`;
-3. ``begin_local``, ``client_loss`` for every local batch, then ``end_local``;
+3. ``begin_local``, ``client_loss`` for every local batch, then ``end_local``; a method whose
+   objective is cross-entropy plus declared terms says so in ``objective`` (see
+   :mod:`protofl.methods.objectives`) and the default ``client_loss`` runs it; the batched
+   executor runs the same declaration for many clients at once;
 4. if ``shares_weights``, the engine averages the trainable weights (``weight_average``);
-5. ``predict`` on each client's test set.
+5. ``predict`` on each client's test set (the default runs the declared ``prediction`` rule).
+
+A subclass that overrides ``client_loss`` (or ``predict``) without also declaring
+``objective`` (``prediction``) has its own arithmetic: the inherited declaration is dropped, so
+an executor never runs a parent's objective in its place.
 """
 
 from __future__ import annotations
@@ -21,6 +28,12 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from protofl.methods.objectives import (
+    LocalObjective,
+    Step,
+    nearest_prototype,
+    prototype_table,
+)
 from protofl.models.client import ClientModel
 from protofl.privacy.base import ClusterFn, Release
 from protofl.registry import Registry, nearest
@@ -106,8 +119,44 @@ class Method:
         self.server_state: dict[str, torch.Tensor] = {}
         self.validate()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # an override of the executed hook without a matching declaration voids the parent's
+        if "client_loss" in cls.__dict__ and "objective" not in cls.__dict__:
+            cls.objective = Method._undeclared_objective  # type: ignore[method-assign]
+        if "predict" in cls.__dict__ and "prediction" not in cls.__dict__:
+            cls.prediction = Method._undeclared_prediction  # type: ignore[method-assign]
+
     def validate(self) -> None:
         """Check hyperparameter ranges; raise ValueError naming the parameter."""
+
+    # ----- declarations the executors read ----------------------------------------------------
+    def objective(self) -> LocalObjective | None:
+        """The local objective as cross-entropy plus declared terms, or None when only
+        ``client_loss`` knows it (then it runs client by client).  Default: cross-entropy."""
+        return LocalObjective()
+
+    def prediction(self) -> str | None:
+        """The evaluation rule (one of :data:`~protofl.methods.objectives.PREDICTION_RULES`),
+        or None when only ``predict`` knows it.  Default: the classifier head."""
+        return "classifier"
+
+    def _undeclared_objective(self) -> LocalObjective | None:
+        return None
+
+    def _undeclared_prediction(self) -> str | None:
+        return None
+
+    @property
+    def batchable(self) -> bool:
+        """Whether the batched executor can run this method: its objective and evaluation
+        rule are declared."""
+        return self.objective() is not None and self.prediction() is not None
+
+    @property
+    def default_upload_features(self) -> bool:
+        """Whether the released features are the model's ``features`` (no override)."""
+        return type(self).upload_features is Method.upload_features
 
     # ----- client side ----------------------------------------------------------------------
     def cluster_fn(self) -> ClusterFn | None:
@@ -131,8 +180,25 @@ class Method:
     def client_loss(
         self, batch: Batch, global_state: GlobalState, state: ClientState
     ) -> torch.Tensor:
-        """The local objective on one batch (default: cross-entropy)."""
-        return F.cross_entropy(batch.logits, batch.y)
+        """The local objective on one batch: the declared :meth:`objective` run for one client
+        (default: cross-entropy)."""
+        objective = self.objective()
+        if objective is None:
+            return F.cross_entropy(batch.logits, batch.y)
+        params = (
+            {n: p.unsqueeze(0) for n, p in batch.model.named_parameters() if p.requires_grad}
+            if objective.param_terms
+            else {}
+        )
+        step = Step(
+            f=batch.f.unsqueeze(0),
+            logits=batch.logits.unsqueeze(0),
+            y=batch.y.unsqueeze(0),
+            ok=torch.ones(1, len(batch.y), dtype=torch.bool),
+            params=params,
+        )
+        prepared = objective.prepare(global_state, [state], self.num_classes)
+        return objective.loss(step, prepared, slice(0, 1))[0]
 
     # ----- server side ----------------------------------------------------------------------
     def aggregate(self, uploads: Sequence[Upload], round_index: int) -> GlobalState:
@@ -147,7 +213,10 @@ class Method:
         global_state: GlobalState,
         state: ClientState,
     ) -> torch.Tensor:
-        """Predicted labels for cached representations ``z`` (default: classifier head)."""
+        """Predicted labels for cached representations ``z``: the declared
+        :meth:`prediction` rule (classifier head, or the nearest global prototype)."""
+        if self.prediction() == "prototype" and global_state:
+            return nearest_prototype(model.features(z), global_state)
         _, logits = model(z)
         return logits.argmax(dim=1)
 
@@ -281,9 +350,8 @@ def lookup_targets(
     global_state: GlobalState, y: torch.Tensor, num_classes: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample global prototype of its class, and a mask of samples whose class has one."""
-    protos, classes = global_state["prototypes"], global_state["classes"]
-    table = torch.zeros(num_classes, protos.shape[1], dtype=protos.dtype)
-    has = torch.zeros(num_classes, dtype=torch.bool)
-    table[classes] = protos
-    has[classes] = True
+    found = prototype_table(global_state, num_classes)
+    if found is None:
+        return torch.zeros(len(y), 0), torch.zeros(len(y), dtype=torch.bool)
+    table, has = found
     return table[y], has[y]

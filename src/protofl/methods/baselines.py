@@ -26,6 +26,7 @@ from protofl.methods.base import (
     Method,
     eval_mode,
 )
+from protofl.methods.objectives import LocalObjective, Proximal, proximal
 from protofl.models.client import ClientModel
 
 
@@ -41,11 +42,11 @@ class FedAvg(Method):
 def proximal_term(
     params: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor]
 ) -> torch.Tensor:
-    """``sum_k ||w_k - w_k^global||^2`` over the named parameters (FedProx Eq. 2 without mu/2)."""
-    total = torch.zeros(())
-    for name, w in params.items():
-        total = total + (w - anchor[name]).pow(2).sum()
-    return total
+    """``sum_k ||w_k - w_k^global||^2`` over the named parameters (FedProx Eq. 2 without mu/2);
+    the one-client form of :func:`protofl.methods.objectives.proximal`."""
+    return proximal(
+        {n: w.unsqueeze(0) for n, w in params.items()}, {n: anchor[n].unsqueeze(0) for n in params}
+    )[0]
 
 
 @METHOD_REGISTRY.register("fedprox")
@@ -76,17 +77,9 @@ class FedProx(Method):
             if p.requires_grad:
                 state.tensors[self.PREFIX + name] = p.detach().clone()
 
-    def client_loss(
-        self, batch: Batch, global_state: GlobalState, state: ClientState
-    ) -> torch.Tensor:
+    def objective(self) -> LocalObjective:
         """CE + mu/2 * ||w - w_global||^2 (FedProx Eq. 2)."""
-        loss = F.cross_entropy(batch.logits, batch.y)
-        mu = float(self.params["mu"])
-        if mu == 0:
-            return loss
-        params = {n: p for n, p in batch.model.named_parameters() if p.requires_grad}
-        anchor = {n: state.tensors[self.PREFIX + n] for n in params}
-        return loss + 0.5 * mu * proximal_term(params, anchor)
+        return LocalObjective(terms=(Proximal(float(self.params["mu"]), self.PREFIX),))
 
 
 def moon_contrastive(

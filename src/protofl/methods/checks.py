@@ -1,7 +1,20 @@
-"""``check_method``: the conformance suite every registered method passes with every mechanism."""
+"""``check_method``: the conformance suite every registered method passes with every mechanism.
+
+Mechanics (finite and falling loss, determinism, state round-trips, upload shapes) and meaning:
+
+* the server's state depends on the uploads (a server that ignores them fails);
+* a method whose global state is keyed by domain keeps the uploads' domains (permuting the
+  domains of the uploads changes the global state);
+* the prototype terms pull a client's features toward the targets the server sent: the part of
+  the loss gradient that the global prototypes cause points from the features to them;
+* a method that declares a batched objective gives the same run batched and client by client.
+
+The set-up has several domains and several clients per domain (``tiny_config``).
+"""
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import tempfile
@@ -31,12 +44,17 @@ def tiny_config(
     rounds: int = 3,
     seed: int = 0,
 ) -> ExperimentConfig:
-    """Two clients' worth of work on the generated ``toy`` set with the fast ``pixels`` backbone."""
+    """Two domains x two clients of the generated ``toy`` set with the fast ``pixels`` backbone."""
     return ExperimentConfig.from_dict(
         {
             "name": f"check-{method}-{mechanism}",
             "seed": seed,
-            "data": {"name": "toy", "train_fraction": 1.0, "domains": ["red", "blue"]},
+            "data": {
+                "name": "toy",
+                "train_fraction": 1.0,
+                "domains": ["red", "blue"],
+                "clients_per_domain": 2,
+            },
             "backbone": {
                 "name": "pixels",
                 "image_size": 16,
@@ -53,6 +71,7 @@ def tiny_config(
 
 
 def _run(config: ExperimentConfig) -> tuple[Any, list[Any]]:
+    """Build and run ``config`` in process; (simulation, history)."""
     from protofl.engine.federated_data import build_federated_data
     from protofl.engine.simulation import Simulation
 
@@ -123,7 +142,117 @@ def check_method(
     for saved, c in zip(restored["clients"], sim.clients):
         _assert_same(saved, c.state.tensors, f"{name}: client state")
     _assert_same(restored["global"], sim.global_state, f"{name}: global state")
+    check_semantics(sim, f"{name}/{mechanism}")
+    if sim.method.batchable:
+        check_batched_agrees(config, hist, f"{name}/{mechanism}")
     return CheckReport(name, mechanism, losses, [h.avg_acc for h in hist])
+
+
+# ----- meaning -----------------------------------------------------------------------------------
+def _uploads(sim: Any, targets: torch.Tensor, domain_sign: dict[int, float]) -> list[Any]:
+    """One synthetic noiseless upload per client: class c's prototype is ``targets[c]`` times
+    the sign given for the client's domain (1 for domains not named)."""
+    from protofl.methods.base import Upload
+    from protofl.privacy.base import Release
+
+    k = targets.shape[0]
+    out = []
+    for c in sim.clients:
+        sign = domain_sign.get(c.data.domain, 1.0)
+        release = Release(
+            prototypes=sign * targets,
+            classes=torch.arange(k),
+            counts=torch.full((k,), 10),
+            sensitivity=torch.full((k,), math.inf),
+            noise_std=torch.zeros_like(targets),
+            mechanism="none",
+        )
+        out.append(Upload(c.data.client, c.data.domain, release, num_samples=10 * k))
+    return out
+
+
+def _aggregate(sim: Any, uploads: list[Any]) -> dict[str, torch.Tensor]:
+    method = copy.deepcopy(sim.method)  # aggregation may train server state (FedTGP, MPFT)
+    return dict(method.aggregate(uploads, sim.round))
+
+
+def _differs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    if set(a) != set(b):
+        return True
+    return any(
+        a[k].shape != b[k].shape or not torch.allclose(a[k].double(), b[k].double(), atol=1e-6)
+        for k in a
+        if isinstance(a[k], torch.Tensor)
+    )
+
+
+def _feature_grad(sim: Any, client: Any, gs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """d(client_loss)/d(f) on a batch of the client's data, with global state ``gs``."""
+    from protofl.methods.base import Batch
+
+    method = copy.deepcopy(sim.method)
+    model = copy.deepcopy(client.model)
+    state = copy.deepcopy(client.state)
+    method.begin_local(model, state, gs, client.data.client)
+    z, y = client.data.train_z[:64].float(), client.data.train_y[:64]
+    f = model.features(z).detach().requires_grad_(True)
+    batch = Batch(z, y, f, f, model.head(f), model, client.data.client, client.data.domain)
+    (g,) = torch.autograd.grad(method.client_loss(batch, gs, state), f)
+    return g
+
+
+def _targets(sim: Any) -> torch.Tensor:
+    """Per-class target prototypes far from the features, in random directions."""
+    c = sim.clients[0]
+    with torch.no_grad():
+        scale = 3.0 * float(c.model.features(c.data.train_z.float()).norm(dim=1).mean())
+    gen = torch.Generator().manual_seed(1234)
+    t = torch.randn(sim.data.num_classes, sim.config.backbone.proto_dim, generator=gen)
+    return scale * t / t.norm(dim=1, keepdim=True)
+
+
+def check_semantics(sim: Any, what: str) -> None:
+    """The meaning checks of the module doc, on a finished tiny run ``sim``."""
+    method = sim.method
+    if not method.uses_prototypes:
+        return
+    t = _targets(sim)
+    plus, minus = _aggregate(sim, _uploads(sim, t, {})), _aggregate(sim, _uploads(sim, -t, {}))
+    assert _differs(plus, minus), f"{what}: the server state does not depend on the uploads"
+    domains = sorted({c.data.domain for c in sim.clients})
+    if method.needs_domain and len(domains) > 1:
+        split = _aggregate(sim, _uploads(sim, t, {domains[0]: -1.0}))
+        swapped = _aggregate(sim, _uploads(sim, t, {domains[1]: -1.0}))
+        assert _differs(split, swapped), (
+            f"{what}: the global state does not keep the uploads' domains"
+        )
+    # the prototype terms: the gradient the targets cause points from the features to them
+    client = sim.clients[0]
+    y = client.data.train_y[:64]
+    pulled = _feature_grad(sim, client, minus) - _feature_grad(sim, client, plus)
+    toward = (pulled * (t[y] - (-t[y]))).sum()
+    assert float(toward) > 0, (
+        f"{what}: the prototype terms do not pull features toward their targets "
+        f"(alignment {float(toward):.3g})"
+    )
+
+
+def check_batched_agrees(config: ExperimentConfig, sequential: list[Any], what: str) -> None:
+    """The batched executor runs the method's declared objective: the same run as client by
+    client (accuracies equal, training losses within float rounding)."""
+    batched_cfg = config.with_overrides(["federation.execution=batched"])
+    sim, hist = _run(batched_cfg)
+    assert sim.batched is not None and sim.batched.supported, (
+        f"{what}: the method declares a batched objective but the batched executor refused it"
+    )
+    for a, b in zip(sequential, hist):
+        assert abs(a.train_loss - b.train_loss) < 1e-4 * max(1.0, abs(a.train_loss)), (
+            f"{what}: batched and per-client training differ in round {a.round} "
+            f"({a.train_loss!r} vs {b.train_loss!r})"
+        )
+        assert abs(a.avg_acc - b.avg_acc) < 0.02, (
+            f"{what}: batched and per-client accuracy differ in round {a.round}"
+        )
 
 
 def _assert_same(a: dict[str, Any], b: dict[str, Any], what: str) -> None:

@@ -5,21 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import torch
-import torch.nn.functional as F
-
 from protofl.methods.base import (
     METHOD_REGISTRY,
-    Batch,
-    ClientState,
     GlobalState,
     Method,
     Upload,
     class_robust_mean,
     class_uniform_mean,
     class_weighted_mean,
-    lookup_targets,
 )
+from protofl.methods.objectives import LocalObjective, PrototypePull
 
 
 @METHOD_REGISTRY.register("local")
@@ -79,24 +74,10 @@ class FedProto(Method):
             return class_uniform_mean(uploads, self.num_classes, self.proto_dim)
         return class_weighted_mean(uploads, self.num_classes, self.proto_dim)
 
-    def client_loss(
-        self, batch: Batch, global_state: GlobalState, state: ClientState
-    ) -> torch.Tensor:
+    def objective(self) -> LocalObjective:
         """CE + lam * MSE(f, G_y) over the samples whose class has a global prototype."""
-        loss = F.cross_entropy(batch.logits, batch.y)
-        if not global_state or len(global_state["classes"]) == 0:
-            return loss
-        target, mask = lookup_targets(global_state, batch.y, self.num_classes)
-        if mask.any():
-            loss = loss + float(self.params["lam"]) * F.mse_loss(batch.f[mask], target[mask])
-        return loss
+        return LocalObjective(terms=(PrototypePull(float(self.params["lam"])),))
 
-    def predict(
-        self, model: Any, z: torch.Tensor, global_state: GlobalState, state: ClientState
-    ) -> torch.Tensor:
+    def prediction(self) -> str:
         """Classifier head, or nearest global prototype (L2) with ``eval: prototype``."""
-        if self.params["eval"] == "classifier" or not global_state:
-            return super().predict(model, z, global_state, state)
-        f = model.features(z)
-        dist = torch.cdist(f, global_state["prototypes"])
-        return global_state["classes"][dist.argmin(dim=1)]
+        return str(self.params["eval"])

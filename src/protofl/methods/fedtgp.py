@@ -29,25 +29,17 @@ from torch import nn
 
 from protofl.methods.base import (
     METHOD_REGISTRY,
-    Batch,
-    ClientState,
     GlobalState,
     Method,
     Upload,
-    lookup_targets,
 )
-from protofl.models.client import ClientModel
-from protofl.privacy.noise import derive_seed
+from protofl.methods.objectives import LocalObjective, PrototypePull
+from protofl.seeding import method_generator
 
 BUDGETS: dict[str, dict[str, float]] = {
     "upstream": {"server_epochs": 1000, "server_lr": 0.005, "server_batch": 10},
     "reference": {"server_epochs": 100, "server_lr": 1e-3, "server_batch": 256},
 }
-
-
-def seeded_generator(*keys: int) -> torch.Generator:
-    """A torch Generator seeded from a path of integer keys (no global RNG)."""
-    return torch.Generator().manual_seed(derive_seed(*(int(k) for k in keys)))
 
 
 @contextmanager
@@ -187,7 +179,7 @@ class FedTGP(Method):
             tgp.load_state_dict({k[n:]: v for k, v in self.server_state.items()})
         else:
             # the experiment seed and the method's own seed offset (FedTGP init stream 6)
-            tgp.reset(seeded_generator(self.seed, int(self.params["seed"]), 6))
+            tgp.reset(method_generator(self.seed, int(self.params["seed"]), 6))
         return tgp
 
     def aggregate(self, uploads: Sequence[Upload], round_index: int) -> GlobalState:
@@ -200,7 +192,7 @@ class FedTGP(Method):
         epochs = int(self.server_setting("server_epochs"))
         batch = int(self.server_setting("server_batch"))
         opt = torch.optim.SGD(tgp.parameters(), lr=self.server_setting("server_lr"))
-        gen = seeded_generator(self.seed, int(self.params["seed"]), 7, round_index)
+        gen = method_generator(self.seed, int(self.params["seed"]), 7, round_index)
         all_classes = torch.arange(self.num_classes)
         tgp.train()
         with single_thread():
@@ -222,24 +214,10 @@ class FedTGP(Method):
         return {"prototypes": protos, "classes": classes, "margin": torch.tensor(margin)}
 
     # ----- client -------------------------------------------------------------------------
-    def client_loss(
-        self, batch: Batch, global_state: GlobalState, state: ClientState
-    ) -> torch.Tensor:
+    def objective(self) -> LocalObjective:
         """CE + lam * MSE(f, G_y) over samples whose class has a global prototype (Eq. 8)."""
-        loss = F.cross_entropy(batch.logits, batch.y)
-        lam = float(self.params["lam"])
-        if lam == 0 or not global_state or len(global_state["classes"]) == 0:
-            return loss
-        target, mask = lookup_targets(global_state, batch.y, self.num_classes)
-        if mask.any():
-            loss = loss + lam * F.mse_loss(batch.f[mask], target[mask])
-        return loss
+        return LocalObjective(terms=(PrototypePull(float(self.params["lam"])),))
 
-    def predict(
-        self, model: ClientModel, z: torch.Tensor, global_state: GlobalState, state: ClientState
-    ) -> torch.Tensor:
+    def prediction(self) -> str:
         """Classifier head, or nearest generated prototype (L2) with ``eval: prototype``."""
-        if self.params["eval"] == "classifier" or not global_state:
-            return super().predict(model, z, global_state, state)
-        dist = torch.cdist(model.features(z), global_state["prototypes"])
-        return global_state["classes"][dist.argmin(dim=1)]
+        return str(self.params["eval"])

@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from protofl.methods.base import METHOD_REGISTRY, Batch, ClientState, GlobalState, Method, Upload
-from protofl.methods.fedtgp import seeded_generator, single_thread, stack_uploads
+from protofl.methods.fedtgp import single_thread, stack_uploads
 from protofl.models.client import ClientModel, ResidualAdapter, init_parameters
+from protofl.seeding import method_generator
 
 PREFIX = "mpft."
 
@@ -142,7 +143,7 @@ class MPFT(Method):
             model.load_state_dict({k[len(PREFIX) :]: v for k, v in self.server_state.items()})
         else:
             # the experiment seed and the method's own seed offset (MPFT init stream 10)
-            init_parameters(model, seeded_generator(self.seed, int(self.params["seed"]), 10))
+            init_parameters(model, method_generator(self.seed, int(self.params["seed"]), 10))
         return model
 
     def aggregate(self, uploads: Sequence[Upload], round_index: int) -> GlobalState:
@@ -158,7 +159,7 @@ class MPFT(Method):
             momentum=float(p["server_momentum"]),
             weight_decay=float(p["server_weight_decay"]),
         )
-        gen = seeded_generator(self.seed, int(p["seed"]), 11, round_index)
+        gen = method_generator(self.seed, int(p["seed"]), 11, round_index)
         batch = int(p["server_batch"])
         model.train()
         with single_thread():

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from protofl.config import BackboneConfig, ConfigError
+from protofl.config import BACKBONE_OPTION_CHECKS, BackboneConfig, ConfigError
 from protofl.registry import Registry, nearest
 
 log = logging.getLogger(__name__)
@@ -322,10 +322,11 @@ def backbone_class(config: BackboneConfig) -> type[FrozenBackbone]:
 def check_backbone_options(name: str, options: Mapping[str, Any]) -> None:
     """Validate ``backbone.options`` for backbone ``name`` without building it (no-op for an
     unregistered name: that fails where the backbone is looked up)."""
-    import protofl.models  # noqa: F401  (registers every backbone)
-
     if name in BACKBONE_REGISTRY:
         BACKBONE_REGISTRY.get(name).check_options(options)
+
+
+BACKBONE_OPTION_CHECKS.append(check_backbone_options)
 
 
 def create_backbone(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -59,6 +59,7 @@ class Mechanism(ABC):
     """A local-DP release of class (or cluster) prototypes, calibrated once for a whole run."""
 
     name: str = "base"
+    guarantees: ClassVar[bool] = True  # whether releases carry a DP guarantee
 
     def __init__(self, config: PrivacyConfig, *, rounds: int, dim: int) -> None:
         self.config = config
@@ -68,7 +69,7 @@ class Mechanism(ABC):
     @property
     def is_private(self) -> bool:
         """Whether releases carry a DP guarantee."""
-        return True
+        return self.guarantees
 
     @abstractmethod
     def release(
@@ -82,6 +83,89 @@ class Mechanism(ABC):
         cluster_fn: ClusterFn | None = None,
     ) -> Release:
         """Clip, build prototypes per class (or per cluster within a class) and add noise."""
+
+    # release of many clients at once: the default is the per-client loop; a mechanism whose
+    # release can run as tensor operations over all clients says so with ``vectorised`` and
+    # implements ``_release_vectorised``.  A subclass that overrides any step of the per-client
+    # release (``release`` or one of ``RELEASE_STEPS``) without declaring ``vectorised`` itself
+    # falls back to the loop, so the vectorised path never skips an overridden step.
+    vectorised: ClassVar[bool] = False
+    RELEASE_STEPS: ClassVar[tuple[str, ...]] = (
+        "release",
+        "bounded_scores",
+        "scores",
+        "_build",
+        "_check",
+        "_charge",
+        "_clip",
+        "_finish",
+        "_history_mask",
+        "_noisy",
+        "_remember",
+        "_select",
+        "_unit_std",
+        "_warn_small",
+    )
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "vectorised" not in cls.__dict__ and any(h in cls.__dict__ for h in cls.RELEASE_STEPS):
+            cls.vectorised = False
+
+    def release_many(
+        self,
+        features: Sequence[torch.Tensor],
+        labels: Sequence[torch.Tensor],
+        *,
+        num_classes: int,
+        generators: Sequence[torch.Generator],
+        clients: Sequence[str],
+        cluster_fn: ClusterFn | None = None,
+        vectorise: bool = True,
+    ) -> list[Release]:
+        """``[self.release(features[i], labels[i], ...) for i]``: one release per client, each
+        drawing from its own generator, in client order.
+
+        Mechanisms with ``vectorised`` true compute the same releases for all clients at once
+        (the same draws in the same order, the same charges and warnings; prototypes agree to
+        float rounding) whenever :func:`vectorisable` holds, and loop otherwise (or when
+        ``vectorise`` is false: bitwise the per-client releases).
+        """
+        m = len(features)
+        if not (len(labels) == len(generators) == len(clients) == m):
+            raise ValueError(
+                "release_many: features, labels, generators and clients differ in length"
+            )
+        if m == 0:
+            return []
+        if (
+            vectorise
+            and self.vectorised
+            and vectorisable(self.config, features, labels, generators, num_classes, cluster_fn)
+        ):
+            return self._release_vectorised(features, labels, num_classes, generators, clients)
+        return [
+            self.release(
+                features[i],
+                labels[i],
+                num_classes=num_classes,
+                generator=generators[i],
+                client=clients[i],
+                cluster_fn=cluster_fn,
+            )
+            for i in range(m)
+        ]
+
+    def _release_vectorised(
+        self,
+        features: Sequence[torch.Tensor],
+        labels: Sequence[torch.Tensor],
+        num_classes: int,
+        generators: Sequence[torch.Generator],
+        clients: Sequence[str],
+    ) -> list[Release]:
+        """The vectorised release (mechanisms with ``vectorised`` true implement it)."""
+        raise TypeError(f"mechanism {self.name!r} has no vectorised release")
 
     def describe(self) -> dict[str, Any]:
         """Calibration facts for the run summary (sigma, accountant, neighbouring relation)."""
@@ -165,16 +249,84 @@ def group_means(
     )
 
 
+def vectorisable(
+    config: PrivacyConfig,
+    features: Sequence[torch.Tensor],
+    labels: Sequence[torch.Tensor],
+    generators: Sequence[torch.Generator],
+    num_classes: int,
+    cluster_fn: ClusterFn | None,
+) -> bool:
+    """Whether a vectorised release gives the per-client releases: no cluster releases, no
+    noisy add/remove counts, one CPU generator per client, CPU features without grad of one
+    floating dtype, labels in range."""
+    return (
+        cluster_fn is None
+        and not (config.neighbouring == "add_remove" and config.addremove_counts == "noisy")
+        and len({id(g) for g in generators}) == len(generators)
+        and all(g.device.type == "cpu" for g in generators)
+        and all(f.device.type == "cpu" and not f.requires_grad for f in features)
+        and all(f.ndim == 2 for f in features)
+        and len({f.dtype for f in features}) == 1
+        and features[0].is_floating_point()
+        and all(
+            lab.numel() == 0 or (int(lab.min()) >= 0 and int(lab.max()) < num_classes)
+            for lab in labels
+        )
+    )
+
+
+def _segments(
+    features: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    sizes = [int(f.shape[0]) for f in features]
+    x = torch.cat(list(features))
+    y = torch.cat([lab.to(torch.long) for lab in labels])
+    seg = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    return x, y, seg, sizes
+
+
+def _class_sums(
+    x: torch.Tensor, y: torch.Tensor, seg: torch.Tensor, m: int, num_classes: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per (client, class) present: float64 sums, counts, client index, class index (ordered by
+    client, then class, as :func:`group_means`)."""
+    key = seg * num_classes + y
+    counts = torch.bincount(key, minlength=m * num_classes)
+    sums = torch.zeros(m * num_classes, x.shape[1], dtype=torch.float64)
+    sums.index_add_(0, key, x.detach().to(torch.float64))
+    present = torch.nonzero(counts > 0).flatten()
+    return sums[present], counts[present], present // num_classes, present % num_classes
+
+
+def _plain_many(
+    features: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], num_classes: int
+) -> list[Release]:
+    x, y, seg, sizes = _segments(features, labels)
+    sums, counts, owner, classes = _class_sums(x, y, seg, len(sizes), num_classes)
+    protos = (sums / counts[:, None].to(torch.float64)).to(x.dtype)
+    per = torch.bincount(owner, minlength=len(sizes)).tolist()
+    out = []
+    for p, c, n in zip(protos.split(per), classes.split(per), counts.split(per)):
+        out.append(
+            Release(
+                prototypes=p.clone(),
+                classes=c.clone(),
+                counts=n.clone(),
+                sensitivity=torch.full((len(c),), math.inf),
+                noise_std=torch.zeros_like(p),
+                mechanism=NoPrivacy.name,
+            )
+        )
+    return out
+
+
 @MECHANISM_REGISTRY.register("none")
 class NoPrivacy(Mechanism):
     """Class means of the unclipped features; no noise, no guarantee."""
 
     name = "none"
-
-    @property
-    def is_private(self) -> bool:
-        """No DP guarantee."""
-        return False
+    guarantees = False
 
     def release(
         self,
@@ -200,12 +352,31 @@ class NoPrivacy(Mechanism):
             mechanism=self.name,
         )
 
+    vectorised = True
+
+    def _release_vectorised(
+        self,
+        features: Sequence[torch.Tensor],
+        labels: Sequence[torch.Tensor],
+        num_classes: int,
+        generators: Sequence[torch.Generator],
+        clients: Sequence[str],
+    ) -> list[Release]:
+        for f, client in zip(features, clients):
+            check_finite(f, client)
+        return _plain_many(features, labels, num_classes)
+
     def describe(self) -> dict[str, Any]:
         """No calibration."""
         return {"mechanism": "none", "epsilon": None, "note": "no privacy guarantee"}
 
 
+def private_mechanisms() -> list[str]:
+    """Registered names of the mechanisms that carry a DP guarantee (what an audit tests)."""
+    return [n for n in MECHANISM_REGISTRY.names() if MECHANISM_REGISTRY.get(n).guarantees]
+
+
 def create_mechanism(config: PrivacyConfig, *, rounds: int, dim: int) -> Mechanism:
-    """Instantiate the configured release mechanism (``vpdr`` means ``vpp``)."""
-    cls = MECHANISM_REGISTRY.get(config.base_mechanism)
+    """Instantiate the configured release mechanism (``vpdr`` is VPP's name with DCR on)."""
+    cls = MECHANISM_REGISTRY.get(config.mechanism)
     return cls(config, rounds=rounds, dim=dim)

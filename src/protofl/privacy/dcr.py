@@ -36,6 +36,24 @@ def soft_clip(
     return features * scale
 
 
+def distillation(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, tau: float, ok: torch.Tensor
+) -> torch.Tensor:
+    """Per client ``KL(softmax(y_t/tau) || softmax(y_s/tau))``, the mean over its valid rows
+    (VPDR Eq. (17)); logits [k, b, C], ``ok`` [k, b] -> [k].  The batchmean of one client is
+    this kernel with k = 1."""
+    log_p_s = F.log_softmax(student_logits / tau, dim=-1)
+    log_p_t = F.log_softmax(teacher_logits.to(student_logits.dtype) / tau, dim=-1)
+    kl = (log_p_t.exp() * (log_p_t - log_p_s)).sum(dim=-1)
+    okf = ok.to(kl.dtype)
+    return (kl * okf).sum(dim=1) / okf.sum(dim=1)
+
+
+def ema_(teacher: torch.Tensor, student: torch.Tensor, beta: float) -> None:
+    """In place, theta_t <- beta*theta_t + (1-beta)*theta_s (VPDR Eq. (16))."""
+    teacher.mul_(beta).add_(student.detach().to(teacher.dtype), alpha=1.0 - beta)
+
+
 class DCR:
     """Soft clipping, an EMA teacher copy of the classifier head and the temperature-scaled KD loss.
 
@@ -77,10 +95,9 @@ class DCR:
         """lambda1 * tau^2 * KL(softmax(y_t/tau) || softmax(y_s/tau)), batchmean (Eq. (17)-(18))."""
         if not self.active or self.weight == 0:
             return student_logits.sum() * 0.0
-        y_t = self.teacher_logits(f_raw).to(student_logits.dtype)
-        log_p_s = F.log_softmax(student_logits / self.tau, dim=-1)
-        log_p_t = F.log_softmax(y_t / self.tau, dim=-1)
-        kl = F.kl_div(log_p_s, log_p_t, log_target=True, reduction="batchmean")  # Eq. (17)
+        y_t = self.teacher_logits(f_raw)
+        ok = torch.ones(1, student_logits.shape[0], dtype=torch.bool)
+        kl = distillation(student_logits.unsqueeze(0), y_t.unsqueeze(0), self.tau, ok)[0]
         return self.weight * self.tau**2 * kl  # Eq. (18): lambda1 * L_KD
 
     @torch.no_grad()
@@ -91,7 +108,7 @@ class DCR:
             self.teacher.load_state_dict(head.state_dict())
             return
         for p_t, p_s in zip(self.teacher.parameters(), head.parameters(), strict=True):
-            p_t.mul_(self.beta).add_(p_s.detach().to(p_t.dtype), alpha=1.0 - self.beta)
+            ema_(p_t, p_s, self.beta)
         for b_t, b_s in zip(self.teacher.buffers(), head.buffers(), strict=True):
             b_t.copy_(b_s)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from protofl.privacy.accounting import check_accountant, summarise_events
@@ -28,12 +29,17 @@ class PrivacyLedger:
         self._cache: tuple[int, float] | None = None
 
     def record(self, round_index: int, release: Release) -> None:
-        """Charge one release made in ``round_index``."""
-        if release.mechanism == "none":
+        """Charge one release made in ``round_index`` (the events it carries)."""
+        self.charge(round_index, release.mechanism, release.events)
+
+    def charge(self, round_index: int, mechanism: str, events: Sequence[Mapping[str, Any]]) -> None:
+        """Charge ``events`` of a ``mechanism`` release in ``round_index`` (a server charges the
+        events its own mechanism says a release costs, whatever the client declared)."""
+        if mechanism == "none":
             self.private = False
-        events = [dict(e) for e in release.events]
-        summarise_events(events)  # validate now, not at the end of the run
-        self.entries.append({"round": round_index, "events": events})
+        copied = [dict(e) for e in events]
+        summarise_events(copied)  # validate now, not at the end of the run
+        self.entries.append({"round": round_index, "events": copied})
 
     def events(self) -> list[dict[str, Any]]:
         """Every recorded event, in order."""

@@ -30,8 +30,9 @@ from protofl.privacy.base import (
     MECHANISM_REGISTRY,
     ClusterFn,
     Mechanism,
-    NoPrivacy,
     Release,
+    _class_sums,
+    _segments,
     check_finite,
     group_means,
 )
@@ -367,6 +368,43 @@ class _PrototypeMechanism(Mechanism):
         """Restore from :meth:`state_dict`."""
         self._released = {str(k): int(v) for k, v in state.get("released", {}).items()}
 
+    def _release_vectorised(
+        self,
+        features: Sequence[torch.Tensor],
+        labels: Sequence[torch.Tensor],
+        num_classes: int,
+        generators: Sequence[torch.Generator],
+        clients: Sequence[str],
+    ) -> list[Release]:
+        dim = self.dim
+        valid = all(
+            f.shape[1] == dim and lab.shape == (f.shape[0],) for f, lab in zip(features, labels)
+        ) and bool(torch.isfinite(torch.cat(list(features))).all())
+        for i in range(len(features)):
+            if not valid:  # the per-client checks raise the per-client message, in order
+                self._check(features[i], labels[i], num_classes, clients[i])
+            self._charge(clients[i])
+        return _private_many(self, features, labels, num_classes, generators, clients)
+
+    @abstractmethod
+    def _partition_many(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        seg: torch.Tensor,
+        sizes: list[int],
+        num_classes: int,
+        generators: Sequence[torch.Generator],
+        clients: Sequence[str],
+        infos: list[dict[str, float]],
+        diags: list[dict[str, float]],
+        events: list[list[dict[str, Any]]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The partition step of the vectorised release (see :meth:`IGPP._partition_many`)."""
+
+    def _after_release(self, client: str, release: Release, num_classes: int) -> None:
+        """Called with each release of the vectorised path (VPP keeps its history)."""
+
     def releases_left(self, client: str) -> int:
         """How many more releases ``client`` may make within the calibrated budget."""
         return self.rounds - self._released.get(client, 0)
@@ -458,6 +496,36 @@ class IGPP(_PrototypeMechanism):
             info={},
         )
 
+    vectorised = True
+
+    def _partition_many(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        seg: torch.Tensor,
+        sizes: list[int],
+        num_classes: int,
+        generators: Sequence[torch.Generator],
+        clients: Sequence[str],
+        infos: list[dict[str, float]],
+        diags: list[dict[str, float]],
+        events: list[list[dict[str, Any]]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``release`` 's partition step for every client at once (the vectorised release):
+        the clipped features [n, d] and each client's per-dimension unit noise std [m, d];
+        fills the per-client ``infos``, ``diags`` and selection ``events``."""
+        cfg = self.config
+        m, d = len(sizes), self.dim
+        r = cfg.clip
+        if cfg.igpp_group_clip:
+            masks = torch.stack([random_mask(d, self._k, g) for g in generators])
+            k = self._k
+            clipped = clip_groups(x, masks[seg], r * math.sqrt(k / d), r * math.sqrt((d - k) / d))
+        else:
+            clipped = clip_l2(x, r)
+        unit = torch.full((m, d), self.sigma * r, dtype=torch.float64)
+        return clipped, unit
+
     def describe(self) -> dict[str, Any]:
         """sigma, accountant, budget, neighbouring relation, clip."""
         out = self._describe_common()
@@ -485,6 +553,7 @@ def vpp_budget(config: PrivacyConfig, *, rounds: int, dim: int) -> VppBudget:
     )
 
 
+@MECHANISM_REGISTRY.register("vpdr")  # VPP, with DCR in local training (PrivacyConfig.use_dcr)
 @MECHANISM_REGISTRY.register("vpp")
 class VPP(_PrototypeMechanism):
     """Variance-adaptive Prototype Perturbation (VPDR Sec. 4.2).
@@ -683,6 +752,74 @@ class VPP(_PrototypeMechanism):
         self._remember(client, release, num_classes)
         return release
 
+    vectorised = True
+
+    def _partition_many(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        seg: torch.Tensor,
+        sizes: list[int],
+        num_classes: int,
+        generators: Sequence[torch.Generator],
+        clients: Sequence[str],
+        infos: list[dict[str, float]],
+        diags: list[dict[str, float]],
+        events: list[list[dict[str, Any]]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``release`` 's partition step for every client at once (the vectorised release):
+        the clipped features [n, d] and each client's per-dimension unit noise std [m, d];
+        fills the per-client ``infos``, ``diags`` and selection ``events``."""
+        cfg = self.config
+        m, d = len(sizes), self.dim
+        masks = torch.zeros(m, d, dtype=torch.bool)
+        masks[:, : self.k] = True  # clients without samples
+        raw = _anova_many(x, y, seg, sizes, num_classes, cfg.vpp_zeta)
+        variant = cfg.vpp_variant
+        draw: list[int] = []
+        for i in range(m):
+            infos[i]["k"] = float(self.k)
+            if sizes[i] == 0:
+                continue
+            if variant == "history":
+                masks[i] = self._history_mask(clients[i], generators[i])
+            elif variant in ("once", "normalized_once") and clients[i] in self._partitions:
+                masks[i] = self._partitions[clients[i]]
+            else:
+                draw.append(i)
+        if draw:
+            # one-shot Laplace top-k (Theorem 4.1): the draws of laplace_noise, client by client
+            u = torch.empty(len(draw), 2, d, dtype=torch.float64)
+            for j, i in enumerate(draw):
+                torch.rand((2, d), generator=generators[i], dtype=torch.float64, out=u[j])
+            e = -torch.log1p(-u)
+            lap = self.budget.laplace_scale * (e[:, 0] - e[:, 1])
+            idx = torch.tensor(draw)
+            bounded = torch.stack([self.bounded_scores(raw[i]) for i in draw])
+            chosen = _topk_masks(bounded + lap, self.k)
+            masks[idx] = chosen
+            for j, i in enumerate(draw):
+                if variant in ("once", "normalized_once"):
+                    self._partitions[clients[i]] = chosen[j].clone()
+                events[i] = [{"kind": "pure", "epsilon": self.budget.eps_select}]
+        has = [i for i in range(m) if sizes[i] > 0]
+        if has:
+            ref = _topk_masks(torch.nan_to_num(raw[has], nan=0.0, posinf=0.0, neginf=0.0), self.k)
+            overlap = ((masks[has] & ref).sum(dim=1).double() / max(self.k, 1)).tolist()
+            for j, i in enumerate(has):
+                diags[i]["partition_overlap"] = overlap[j]
+                infos[i]["selected"] = float(bool(events[i]))
+        clipped = clip_groups(x, masks[seg], self.radius_a, self.radius_b)
+        unit = torch.where(
+            masks,
+            torch.tensor(self.budget.sigma_A * self.radius_a, dtype=torch.float64),
+            torch.tensor(self.budget.sigma_B * self.radius_b, dtype=torch.float64),
+        )
+        return clipped, unit
+
+    def _after_release(self, client: str, release: Release, num_classes: int) -> None:
+        self._remember(client, release, num_classes)
+
     def describe(self) -> dict[str, Any]:
         """sigma (= sigma_ref), the budget split and every VPP parameter."""
         out = self._describe_common()
@@ -771,112 +908,15 @@ def release_many(
     clients: Sequence[str],
     cluster_fn: ClusterFn | None = None,
 ) -> list[Release]:
-    """``[mechanism.release(features[i], labels[i], ...) for i]`` computed for all clients at once.
-
-    The same releases: every generator makes the same draws in the same order (selection noise,
-    then prototype noise), the same charges, small-class warnings, cached partitions and release
-    history, the same sensitivities and noise scales (bitwise); prototypes and scores are summed
-    per (client, class) with ``index_add_`` instead of per-client means, so they agree to float
-    rounding.  Clipping, class sums, ANOVA scores and the noise scaling are single tensor
-    operations over all clients; only the random draws loop (each client owns its generator).
-
-    Falls back to the per-client loop (identical by construction) for cluster releases, noisy
-    add/remove counts, mechanisms other than ``none``/IGPP/VPP, non-CPU or grad-carrying
-    tensors, mixed dtypes, or generators shared between clients.  On an error the per-client
-    checks run in order and raise the per-client message.
-    """
-    m = len(features)
-    if not (len(labels) == len(generators) == len(clients) == m):
-        raise ValueError("release_many: features, labels, generators and clients differ in length")
-    if m == 0:
-        return []
-    cfg = mechanism.config
-    fast = (
-        cluster_fn is None
-        and type(mechanism) in (IGPP, VPP, NoPrivacy)
-        and not (cfg.neighbouring == "add_remove" and cfg.addremove_counts == "noisy")
-        and len({id(g) for g in generators}) == m
-        and all(g.device.type == "cpu" for g in generators)
-        and all(f.device.type == "cpu" and not f.requires_grad for f in features)
-        and all(f.ndim == 2 for f in features)
-        and len({f.dtype for f in features}) == 1
-        and features[0].is_floating_point()
-        and all(
-            lab.numel() == 0 or (int(lab.min()) >= 0 and int(lab.max()) < num_classes)
-            for lab in labels
-        )
+    """:meth:`Mechanism.release_many` (kept as a function for callers that hold a mechanism)."""
+    return mechanism.release_many(
+        features,
+        labels,
+        num_classes=num_classes,
+        generators=generators,
+        clients=clients,
+        cluster_fn=cluster_fn,
     )
-    if not fast:
-        return [
-            mechanism.release(
-                features[i],
-                labels[i],
-                num_classes=num_classes,
-                generator=generators[i],
-                client=clients[i],
-                cluster_fn=cluster_fn,
-            )
-            for i in range(m)
-        ]
-    if isinstance(mechanism, NoPrivacy):
-        for i in range(m):
-            check_finite(features[i], clients[i])
-        return _plain_many(features, labels, num_classes)
-    assert isinstance(mechanism, _PrototypeMechanism)
-    dim = mechanism.dim
-    valid = all(
-        f.shape[1] == dim and lab.shape == (f.shape[0],) for f, lab in zip(features, labels)
-    ) and bool(torch.isfinite(torch.cat(list(features))).all())
-    for i in range(m):
-        if not valid:  # the per-client checks raise the per-client message, in order
-            mechanism._check(features[i], labels[i], num_classes, clients[i])
-        mechanism._charge(clients[i])
-    return _private_many(mechanism, features, labels, num_classes, generators, clients)
-
-
-def _segments(
-    features: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    sizes = [int(f.shape[0]) for f in features]
-    x = torch.cat(list(features))
-    y = torch.cat([lab.to(torch.long) for lab in labels])
-    seg = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-    return x, y, seg, sizes
-
-
-def _class_sums(
-    x: torch.Tensor, y: torch.Tensor, seg: torch.Tensor, m: int, num_classes: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per (client, class) present: float64 sums, counts, client index, class index (ordered by
-    client, then class, as :func:`group_means`)."""
-    key = seg * num_classes + y
-    counts = torch.bincount(key, minlength=m * num_classes)
-    sums = torch.zeros(m * num_classes, x.shape[1], dtype=torch.float64)
-    sums.index_add_(0, key, x.detach().to(torch.float64))
-    present = torch.nonzero(counts > 0).flatten()
-    return sums[present], counts[present], present // num_classes, present % num_classes
-
-
-def _plain_many(
-    features: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], num_classes: int
-) -> list[Release]:
-    x, y, seg, sizes = _segments(features, labels)
-    sums, counts, owner, classes = _class_sums(x, y, seg, len(sizes), num_classes)
-    protos = (sums / counts[:, None].to(torch.float64)).to(x.dtype)
-    per = torch.bincount(owner, minlength=len(sizes)).tolist()
-    out = []
-    for p, c, n in zip(protos.split(per), classes.split(per), counts.split(per)):
-        out.append(
-            Release(
-                prototypes=p.clone(),
-                classes=c.clone(),
-                counts=n.clone(),
-                sensitivity=torch.full((len(c),), math.inf),
-                noise_std=torch.zeros_like(p),
-                mechanism=NoPrivacy.name,
-            )
-        )
-    return out
 
 
 def _blocks(sizes: list[int], rows: int = 4096, clients: int = 256) -> list[tuple[int, int]]:
@@ -942,61 +982,10 @@ def _private_block(
     infos: list[dict[str, float]] = [{} for _ in range(m)]
     diags: list[dict[str, float]] = [{} for _ in range(m)]
     events: list[list[dict[str, Any]]] = [[] for _ in range(m)]
-    # --- partitions (VPP selection, IGPP's optional random group clip) -------------------
-    if isinstance(mech, VPP):
-        masks = torch.zeros(m, d, dtype=torch.bool)
-        masks[:, : mech.k] = True  # clients without samples
-        raw = _anova_many(x, y, seg, sizes, num_classes, cfg.vpp_zeta)
-        variant = cfg.vpp_variant
-        draw: list[int] = []
-        for i in range(m):
-            infos[i]["k"] = float(mech.k)
-            if sizes[i] == 0:
-                continue
-            if variant == "history":
-                masks[i] = mech._history_mask(clients[i], generators[i])
-            elif variant in ("once", "normalized_once") and clients[i] in mech._partitions:
-                masks[i] = mech._partitions[clients[i]]
-            else:
-                draw.append(i)
-        if draw:
-            # one-shot Laplace top-k (Theorem 4.1): the draws of laplace_noise, client by client
-            u = torch.empty(len(draw), 2, d, dtype=torch.float64)
-            for j, i in enumerate(draw):
-                torch.rand((2, d), generator=generators[i], dtype=torch.float64, out=u[j])
-            e = -torch.log1p(-u)
-            lap = mech.budget.laplace_scale * (e[:, 0] - e[:, 1])
-            idx = torch.tensor(draw)
-            bounded = torch.stack([mech.bounded_scores(raw[i]) for i in draw])
-            chosen = _topk_masks(bounded + lap, mech.k)
-            masks[idx] = chosen
-            for j, i in enumerate(draw):
-                if variant in ("once", "normalized_once"):
-                    mech._partitions[clients[i]] = chosen[j].clone()
-                events[i] = [{"kind": "pure", "epsilon": mech.budget.eps_select}]
-        has = [i for i in range(m) if sizes[i] > 0]
-        if has:
-            ref = _topk_masks(torch.nan_to_num(raw[has], nan=0.0, posinf=0.0, neginf=0.0), mech.k)
-            overlap = ((masks[has] & ref).sum(dim=1).double() / max(mech.k, 1)).tolist()
-            for j, i in enumerate(has):
-                diags[i]["partition_overlap"] = overlap[j]
-                infos[i]["selected"] = float(bool(events[i]))
-        clipped = clip_groups(x, masks[seg], mech.radius_a, mech.radius_b)
-        unit = torch.where(
-            masks,
-            torch.tensor(mech.budget.sigma_A * mech.radius_a, dtype=torch.float64),
-            torch.tensor(mech.budget.sigma_B * mech.radius_b, dtype=torch.float64),
-        )
-    else:
-        assert isinstance(mech, IGPP)
-        r = cfg.clip
-        if cfg.igpp_group_clip:
-            masks = torch.stack([random_mask(d, mech._k, g) for g in generators])
-            k = mech._k
-            clipped = clip_groups(x, masks[seg], r * math.sqrt(k / d), r * math.sqrt((d - k) / d))
-        else:
-            clipped = clip_l2(x, r)
-        unit = torch.full((m, d), mech.sigma * r, dtype=torch.float64)
+    # --- partitions (VPP selection, IGPP's optional random group clip): the mechanism's own
+    clipped, unit = mech._partition_many(
+        x, y, seg, sizes, num_classes, generators, clients, infos, diags, events
+    )
     # --- class means, sensitivities, noise ----------------------------------------------------
     sums, counts, owner, classes = _class_sums(clipped, y, seg, m, num_classes)
     n = counts.to(dtype)
@@ -1047,7 +1036,6 @@ def _private_block(
             diagnostics=diags[i],
         )
         start = stop
-        if isinstance(mech, VPP):
-            mech._remember(clients[i], release, num_classes)
+        mech._after_release(clients[i], release, num_classes)
         out.append(release)
     return out

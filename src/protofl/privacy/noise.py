@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import secrets
 
-import numpy as np
 import torch
+
+from protofl.seeding import Stream, derive_seed
 
 NOISE_SEED_MODES = ("auto", "derived", "secret")
 
@@ -32,7 +33,7 @@ INSECURE_OPT_OUT = "insecure-derived-noise-key"
 """Node-config key with which a SuperNode's operator accepts a config-derived noise key (tests
 only: the server can then remove that node's noise)."""
 
-NOISE_STREAM = 3
+NOISE_STREAM = int(Stream.NOISE)
 """The seed path ``(seed, NOISE_STREAM, client)`` of a derived noise key."""
 
 NOISE_KEY_NOTES = {
@@ -50,14 +51,6 @@ NOISE_KEY_NOTES = {
 
 class NoiseKeyError(ValueError):
     """A noise-key mode that would void the guarantee where it runs."""
-
-
-def derive_seed(seed: int, *keys: int) -> int:
-    """A 63-bit seed derived from the experiment seed and a path of integer keys."""
-    return int(
-        np.random.SeedSequence([seed, *keys]).generate_state(2, dtype=np.uint32).view(np.uint64)[0]
-        >> 1
-    )
 
 
 def secret_seed() -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -118,14 +117,8 @@ def run_flower_simulation(
 
 # ----- CLI glue (the lead wires these into protofl.cli) ---------------------------------------
 def add_flower_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--engine`` and the Flower options, for ``protofl run``."""
-    group = parser.add_argument_group("Flower engine (needs `pip install protofl[flower]`)")
-    group.add_argument(
-        "--engine",
-        choices=("sim", "flower"),
-        default="sim",
-        help="sim: the in-process simulator (default); flower: Flower's simulation engine",
-    )
+    """The Flower engines' options, for ``protofl run`` (``--engine`` itself is the CLI's)."""
+    group = parser.add_argument_group("Flower engines (need `pip install protofl[flower]`)")
     group.add_argument(
         "--flower-backend",
         choices=BACKENDS,
@@ -146,29 +139,6 @@ def add_flower_arguments(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         help="seconds each phase of a round waits for replies before it goes on without them",
     )
-
-
-def run_with_flower(args: argparse.Namespace) -> int:
-    """``protofl run --engine flower``: the same config through Flower; prints the summary."""
-    from protofl.report.console import print_summary
-
-    if getattr(args, "resume", None):
-        raise ValueError("--resume is not supported with --engine flower")
-    config = ExperimentConfig.from_yaml(args.config) if args.config else ExperimentConfig()
-    config = config.with_overrides(args.set or [])
-    result = run_flower_simulation(
-        config,
-        out=args.out if args.out is not None else config.run.out_dir,
-        backend=args.flower_backend,
-        num_cpus=args.flower_num_cpus,
-        round_timeout=args.round_timeout,
-        ray_address=args.ray_address,
-    )
-    if args.json:
-        print(json.dumps({"run_dir": str(result.run_dir), **result.summary}, indent=2))
-    else:
-        print_summary(result.summary, str(result.run_dir))
-    return 0
 
 
 def add_flower_app_parser(sub: Any) -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ One round, as in the in-process simulator (``Simulation.run_round``):
    logged with node, partition, round and reason, and left out;
 3. ``method.aggregate`` on the accepted uploads (in partition order) gives the global state;
 4. **train** (``train``) with that state; methods that share weights reply their weights and
-   the strategy averages them exactly as ``Simulation.average_weights``;
+   the strategy averages them exactly as the simulator (:mod:`protofl.engine.round`);
 5. **evaluate** (``evaluate``) on every known client, with the averaged weights if any;
 6. a :class:`~protofl.engine.simulation.RoundMetrics` with accuracies, privacy spent and the
    rejected replies.
@@ -33,7 +33,6 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -54,13 +53,20 @@ from protofl.engine.flower.codec import (
     tensors_to_record,
     wire_fields,
 )
-from protofl.engine.simulation import RoundMetrics, Simulation, derive_seed
+from protofl.engine.round import (
+    RoundMetrics,
+    average_weights,
+    privacy_status,
+    round_metrics,
+    select_participants,
+)
 from protofl.methods import create_method
 from protofl.methods.base import GlobalState, Method, Upload
 from protofl.methods.validation import validate_upload
 from protofl.privacy import create_mechanism
 from protofl.privacy.base import Mechanism
 from protofl.privacy.ledger import PrivacyLedger
+from protofl.seeding import Stream, generator
 
 log = logging.getLogger(__name__)
 
@@ -133,13 +139,15 @@ class ProtoStrategy(Strategy):
         )
         self.method: Method | None = None
         self.nodes: dict[int, NodeInfo] = {}  # node id -> info
+        # node id -> partition fixed from the authenticated identities (empty: first claim wins)
+        self.partition_map: dict[int, int] = {}
         self.ledgers: dict[int, PrivacyLedger] = {}  # partition -> what left that client
         self.global_state: GlobalState = {}
         self.avg_weights: dict[str, torch.Tensor] | None = None
         self.history: list[RoundMetrics] = []
         self.num_clients = 0
         self.num_classes = 0
-        self.server_gen = torch.Generator().manual_seed(derive_seed(config.seed, 4))
+        self.server_gen = generator(config.seed, Stream.SERVER)
         self._partition_overlap: list[float] = []
         self._log = RoundLog()
         self._pending: list[dict[str, str]] = []  # registration refusals, shown in the next round
@@ -319,8 +327,7 @@ class ProtoStrategy(Strategy):
         prescribes; the reason to reject the reply when its declared facts disagree."""
         ledger = self.ledgers[node.partition]
         events = self.mechanism.release_events(len(ledger.entries))
-        charge = SimpleNamespace(mechanism=self.mechanism.name, events=events)
-        ledger.record(server_round - 1, charge)  # type: ignore[arg-type]
+        ledger.charge(server_round - 1, self.mechanism.name, events)
         if facts is None:
             return "a release record without readable mechanism and events"
         mechanism, declared = facts
@@ -485,6 +492,17 @@ class ProtoStrategy(Strategy):
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("node %d: malformed registration (%s); ignored", node_id, exc)
                 continue
+            bound = self.partition_map.get(node_id, -1) if self.partition_map else info.partition
+            if bound != info.partition:  # also covers a rebind to a node not bound to it
+                reason = f"claims partition {info.partition}, its identity is bound to " + (
+                    f"partition {bound}" if bound >= 0 else "no partition"
+                )
+                log.warning("node %d %s; refused", node_id, reason)
+                self._refused[node_id] = info.partition
+                self._pending.append(
+                    {"client": info.name, "node": str(node_id), "phase": "hello", "reason": reason}
+                )
+                continue
             held = taken.get(info.partition)
             if held is not None and held.node_id not in live and _same_facts(held, info):
                 # the holder is gone (a restarted SuperNode gets a new id): the partition moves
@@ -559,17 +577,14 @@ class ProtoStrategy(Strategy):
     def select(self, grid: Grid) -> list[NodeInfo]:
         """This round's participants: the simulator's seeded sampling over partition ids.
 
-        ``Simulation.select_participants`` itself runs on a stand-in holding the partition list,
-        so both engines draw the same clients for the same seed.  Partitions whose node is gone
-        are dropped (they would only time out).
+        :func:`protofl.engine.round.select_participants` over the partition list, as the
+        simulator's, so both engines draw the same clients for the same seed.  Partitions whose
+        node is gone are dropped (they would only time out).
         """
         partitions = max(
             self.num_clients, max((n.partition for n in self.nodes.values()), default=-1) + 1
         )
-        shim = SimpleNamespace(
-            config=self.config, clients=[None] * partitions, server_gen=self.server_gen
-        )
-        chosen = Simulation.select_participants(shim)  # type: ignore[arg-type]
+        chosen = select_participants(self.config.federation, partitions, self.server_gen)
         by_partition = {n.partition: n for n in self.nodes.values()}
         live = set(grid.get_node_ids())
         out = []
@@ -667,43 +682,34 @@ class ProtoStrategy(Strategy):
         self._log.add(phase, node, node.node_id, reason)
 
     def _average_weights(self, members: Sequence[tuple[int, Upload]]) -> dict[str, torch.Tensor]:
-        """``Simulation.average_weights``: sample-weighted mean in partition order."""
+        """:func:`protofl.engine.round.average_weights` in partition order, as the simulator."""
         ups = [u for _, u in members]
         keys = set(ups[0].weights or {})
         ok = [u for u in ups if set(u.weights or {}) == keys]
-        weights = torch.tensor([u.num_samples for u in ok], dtype=torch.float64)
-        total = float(weights.sum())
-        weights = weights / total if total > 0 else torch.full_like(weights, 1.0 / len(ok))
-        states = [u.weights or {} for u in ok]
-        first = states[0]
-        return {
-            k: sum(float(w) * s[k].double() for w, s in zip(weights, states)).to(first[k].dtype)  # type: ignore[union-attr]
-            for k in first
-        }
+        fed = self.config.federation
+        return average_weights(
+            [u.weights or {} for u in ok],
+            [u.num_samples for u in ok],
+            rule=fed.weight_aggregation,
+            trim_ratio=fed.weight_trim_ratio,
+        )
 
     def _round_metrics(self, rnd: int, wall_s: float) -> RoundMetrics:
         by_partition = {n.partition: n for n in self.nodes.values()}
         client_acc = {by_partition[p].name: a for p, a in sorted(self._client_acc.items())}
-        per_domain: dict[str, list[float]] = {}
-        for p, a in sorted(self._client_acc.items()):
-            per_domain.setdefault(by_partition[p].domain_name, []).append(a)
-        acc = {d: float(np.mean(v)) for d, v in per_domain.items()}
-        values = list(acc.values())
         holdout = (
             float(np.mean([a for _, a in sorted(self._holdout.items())])) if self._holdout else None
         )
-        return RoundMetrics(
-            round=rnd,
-            acc=acc,
+        return round_metrics(
+            round_number=rnd,
             client_acc=client_acc,
-            avg_acc=float(np.mean(values)) if values else math.nan,
-            std_acc=float(np.std(values)) if values else math.nan,
-            train_loss=float(np.mean(self._losses)) if self._losses else math.nan,
+            domain_of={n.name: n.domain_name for n in self.nodes.values()},
+            losses=self._losses,
             wall_s=wall_s,
             privacy=self.privacy_status(),
             holdout_acc=holdout,
             participants=[by_partition[p].name for p in self._trained],
-            rejected=list(self._log.rejected),
+            rejected=self._log.rejected,
         )
 
     def guarantee(self) -> dict[str, Any]:
@@ -727,14 +733,12 @@ class ProtoStrategy(Strategy):
 
     def privacy_status(self) -> dict[str, Any]:
         """Epsilon charged per client for what left it (the simulator's ``privacy_status``)."""
-        if self.method is not None and not self.method.uses_prototypes:
-            return {"mechanism": "n/a (no prototype release)"}
         names = {n.partition: n.name for n in self.nodes.values()}
-        eps = {names[p]: self.ledgers[p].epsilon_spent() for p in sorted(self.ledgers)}
-        status: dict[str, Any] = {"epsilon_spent": eps}
-        if self._partition_overlap:
-            status["partition_overlap"] = float(np.mean(self._partition_overlap))
-        return status
+        return privacy_status(
+            {names[p]: self.ledgers[p] for p in sorted(self.ledgers)},
+            uses_prototypes=self.method is None or self.method.uses_prototypes,
+            partition_overlaps=self._partition_overlap,
+        )
 
 
 def _same_facts(old: NodeInfo, new: NodeInfo) -> bool:

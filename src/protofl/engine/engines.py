@@ -1,0 +1,123 @@
+"""Where the rounds run: the registered engines, chosen by ``run.engine`` like everything else.
+
+============  ==================================================================================
+engine        what runs the rounds
+============  ==================================================================================
+``sim``       the in-process simulator (:class:`~protofl.engine.simulation.Simulation`; its
+              clients one after another or batched, ``federation.execution``); resumable
+``flower``    Flower's ServerApp/ClientApp on Flower's Simulation Runtime (``ray``) or in this
+              process (``inline``), see :mod:`protofl.engine.flower.run` (extra: flower)
+``flower-loopback``  a real Flower deployment on this machine: a SuperLink and one SuperNode
+              per client as separate processes, ``flwr run`` (extra: flower)
+============  ==================================================================================
+
+Every engine runs the same round (:mod:`protofl.engine.round`) and writes a run folder with
+``summary.json``.  A new engine is one :class:`Engine` registered here (or by a plug-in
+module): a function ``(config, options) -> RunResult``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from protofl.config import ExperimentConfig
+from protofl.registry import Registry
+
+
+class EngineResult(Protocol):
+    """What an engine hands back: its run folder and summary."""
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run folder (None when the engine wrote none)."""
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """``summary.json``'s content."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Per-invocation settings that do not change results (where to write, how to show it,
+    how Flower is started)."""
+
+    out: str | Path | None = None
+    progress: bool | None = None
+    flower: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A registered engine: a name, one line for ``--help`` and the function that runs."""
+
+    name: str
+    summary: str
+    run: Callable[[ExperimentConfig, EngineOptions], EngineResult]
+    resumable: bool = False
+
+
+ENGINE_REGISTRY: Registry[Engine] = Registry("engine")
+
+
+def register_engine(engine: Engine) -> Engine:
+    """Add ``engine`` to the registry (its name must be new)."""
+    ENGINE_REGISTRY.add(engine.name, engine)
+    return engine
+
+
+def _run_sim(config: ExperimentConfig, options: EngineOptions) -> EngineResult:
+    from protofl.engine.runner import run_experiment
+
+    return run_experiment(config, out=options.out, progress=options.progress)
+
+
+def _run_flower(config: ExperimentConfig, options: EngineOptions) -> EngineResult:
+    from protofl.engine.flower.run import run_flower_simulation  # optional dependency
+
+    out = options.out if options.out is not None else config.run.out_dir
+    return run_flower_simulation(config, out=out, **options.flower)
+
+
+@dataclass
+class _LoopbackResult:
+    run_dir: Path | None
+    summary: dict[str, Any]
+
+
+def _run_loopback(config: ExperimentConfig, options: EngineOptions) -> EngineResult:
+    import tempfile
+
+    from protofl.engine.flower.deploy import run_loopback  # optional dependency
+
+    out = Path(options.out if options.out is not None else config.run.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="loopback-", dir=out))
+    timeout = float(options.flower.get("round_timeout", 120.0))
+    summary = run_loopback(config, work, round_timeout=timeout)
+    runs = sorted((work / "runs").glob("*/summary.json"))
+    return _LoopbackResult(run_dir=runs[-1].parent if runs else work, summary=summary)
+
+
+register_engine(
+    Engine("sim", "the in-process simulator (sequential or batched clients)", _run_sim, True)
+)
+register_engine(
+    Engine("flower", "Flower's ServerApp/ClientApp (Ray runtime, or inline)", _run_flower)
+)
+register_engine(
+    Engine(
+        "flower-loopback",
+        "a Flower deployment on this machine (SuperLink + one SuperNode per client)",
+        _run_loopback,
+    )
+)
+
+
+def run_engine(config: ExperimentConfig, options: EngineOptions | None = None) -> EngineResult:
+    """Run ``config`` on the engine ``run.engine`` names (an unknown name fails first, with
+    the valid ones)."""
+    engine = ENGINE_REGISTRY.get(config.run.engine)
+    return engine.run(config, options or EngineOptions())
