@@ -590,6 +590,53 @@ def test_a_second_claim_for_a_held_partition_is_refused_and_recorded(tmp_path: P
     assert {n.node_id for n in outcome.strategy.nodes.values()} == {1000, 1001}
 
 
+def test_a_partition_map_binds_partitions_to_node_ids(tmp_path: Path) -> None:
+    """With a partition map (the authenticated deployment's), a node claiming a partition
+    its id is not bound to is refused and recorded, even while that partition is free."""
+    config = tiny_config("fedproto", "igpp", rounds=1)
+    app = make_client_app(config, tmp_path)
+    bound = {1000: 0, 1002: 1}
+
+    def grid(claims: dict[int, int]) -> InlineGrid:
+        g = InlineGrid(app, 3, node_ids=[1000, 1001, 1002])
+        for node, partition in claims.items():
+            g.contexts[node].node_config["partition-id"] = partition
+        return g
+
+    # 1000 claims 1 (bound to 0), 1001 claims 0 (bound to none): only 1002 is accepted
+    with pytest.raises(TimeoutError, match="only 1 of 2 nodes registered"):
+        _serve(grid({1000: 1, 1001: 0, 1002: 1}), config, wait_timeout=2.0, partition_map=bound)
+    outcome = _serve(
+        grid({1000: 0, 1001: 0, 1002: 1}),
+        config,
+        out=tmp_path / "runs",
+        partition_map=bound,
+        diagnostics=True,
+    )
+    (refusal,) = [r for r in outcome.history[0].rejected if r["phase"] == "hello"]
+    assert refusal["node"] == "1001" and refusal["phase"] == "hello"
+    assert refusal["reason"] == "claims partition 0, its identity is bound to no partition"
+    assert outcome.strategy is not None
+    assert {n.node_id: n.partition for n in outcome.strategy.nodes.values()} == bound
+    assert outcome.summary["partition_map"] == {"1000": 0, "1002": 1}
+
+
+def test_a_partition_map_from_the_run_config_is_checked() -> None:
+    from protofl.engine.flower.server_app import format_partition_map, parse_partition_map
+
+    assert parse_partition_map("") == {}
+    assert parse_partition_map(format_partition_map({977: 1, 812: 0})) == {812: 0, 977: 1}
+    for text, match in [
+        ("812", "expected NODE_ID:PARTITION"),
+        ("812:x", "expected NODE_ID:PARTITION"),
+        ("812:-1", "a partition is >= 0"),
+        ("812:0,812:1", "node 812 is bound twice"),
+        ("812:0,977:0", "partition 0 is bound to two nodes"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            parse_partition_map(text)
+
+
 def test_flower_runs_in_one_process_repeat_exactly(tmp_path: Path) -> None:
     """The per-process client cache must not carry one run's state into the next (VPDR's DCR
     teacher was aliased and drifted: training loss 1.106271 -> 1.106709 -> 1.107130)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,34 @@ class ServerOutcome:
     strategy: ProtoStrategy | None = None
 
 
+def format_partition_map(partition_map: Mapping[int, int]) -> str:
+    """``{node id: partition}`` as the run config's ``partition-map`` ("ID:P,ID:P")."""
+    return ",".join(f"{node}:{part}" for node, part in sorted(partition_map.items()))
+
+
+def parse_partition_map(text: str) -> dict[int, int]:
+    """The run config's ``partition-map`` ("ID:P,ID:P"; empty: none) as node id -> partition."""
+    out: dict[int, int] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        node, sep, part = item.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            node_id, partition = int(node), int(part)
+        except ValueError:
+            raise ValueError(
+                f"partition-map entry {item!r}: expected NODE_ID:PARTITION, e.g. '812:0,977:1'"
+            ) from None
+        if partition < 0:
+            raise ValueError(f"partition-map entry {item!r}: a partition is >= 0")
+        if node_id in out:
+            raise ValueError(f"partition-map: node {node_id} is bound twice")
+        if partition in out.values():
+            raise ValueError(f"partition-map: partition {partition} is bound to two nodes")
+        out[node_id] = partition
+    return out
+
+
 def build_summary(config: ExperimentConfig, strategy: ProtoStrategy) -> dict[str, Any]:
     """The run summary, in the in-process runner's layout (``summary.json``)."""
     from protofl.engine.runner import environment
@@ -59,6 +87,7 @@ def build_summary(config: ExperimentConfig, strategy: ProtoStrategy) -> dict[str
             "wire_fields": {k: sorted(v) for k, v in sorted(strategy.wire_seen.items())},
             "rejected_total": sum(len(h.rejected) for h in strategy.history),
             "rebinds": strategy.rebinds,
+            "partition_map": {str(n): p for n, p in sorted(strategy.partition_map.items())},
             "units": "accuracies are fractions in [0, 1]; tables show percentages",
             "environment": environment(),
         }
@@ -87,7 +116,8 @@ def make_server_app(
 
     Values not given here come from the run config: ``protofl-config``/``protofl-set`` (the
     experiment), ``round-timeout``, ``wait-timeout``, ``min-nodes`` (0: as many as the clients
-    report) and ``out-dir`` (a run folder is written there; empty: none).
+    report), ``out-dir`` (a run folder is written there; empty: none) and ``partition-map``
+    (node id -> partition from the registered SuperNode keys; empty: first claim wins).
     """
     app = ServerApp()
 
@@ -103,6 +133,7 @@ def make_server_app(
             grid,
             cfg,
             out=out_dir,
+            partition_map=parse_partition_map(str(rc.get("partition-map", ""))),
             min_nodes=nodes,
             round_timeout=float(timeout) if timeout is not None else DEFAULT_ROUND_TIMEOUT,  # type: ignore[arg-type]
             wait_timeout=float(wait) if wait is not None else DEFAULT_WAIT_TIMEOUT,  # type: ignore[arg-type]
@@ -125,9 +156,11 @@ def run_flower_server(
     outcome: ServerOutcome | None = None,
     on_round: Callable[[RoundMetrics], None] | None = None,
     diagnostics: bool = False,
+    partition_map: Mapping[int, int] | None = None,
 ) -> ServerOutcome:
     """Run the strategy on ``grid``; write ``config.yaml``, ``metrics.jsonl`` and
-    ``summary.json`` into a new run folder under ``out`` (when given)."""
+    ``summary.json`` into a new run folder under ``out`` (when given).  ``partition_map``:
+    node id -> the one partition that node may claim (None or empty: first claim wins)."""
     from protofl.engine.runner import attach_log, make_run_dir, start_run_dir
 
     outcome = outcome if outcome is not None else ServerOutcome()
@@ -153,6 +186,7 @@ def run_flower_server(
         on_round=record,
         diagnostics=diagnostics,
     )
+    strategy.partition_map = dict(partition_map or {})
     outcome.strategy = strategy
     handler = attach_log(run_dir) if run_dir is not None else None
     try:

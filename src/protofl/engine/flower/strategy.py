@@ -139,8 +139,10 @@ class ProtoStrategy(Strategy):
         )
         self.method: Method | None = None
         self.nodes: dict[int, NodeInfo] = {}  # node id -> info
-        # node id -> partition fixed from the authenticated identities (empty: first claim wins)
+        # node id -> partition fixed from the authenticated identities (empty: first claim wins);
+        # a node refused by it is not asked again (neither the map nor its claim changes)
         self.partition_map: dict[int, int] = {}
+        self._off_map: set[int] = set()
         self.ledgers: dict[int, PrivacyLedger] = {}  # partition -> what left that client
         self.global_state: GlobalState = {}
         self.avg_weights: dict[str, torch.Tensor] | None = None
@@ -452,6 +454,7 @@ class ProtoStrategy(Strategy):
             for n in live
             if n not in self.nodes
             and (n not in self._refused or holders.get(self._refused[n]) not in alive)
+            and n not in self._off_map
         ]
 
     def _hello(self, grid: Grid, node_ids: Sequence[int], rnd: int) -> None:
@@ -498,7 +501,7 @@ class ProtoStrategy(Strategy):
                     f"partition {bound}" if bound >= 0 else "no partition"
                 )
                 log.warning("node %d %s; refused", node_id, reason)
-                self._refused[node_id] = info.partition
+                self._off_map.add(node_id)
                 self._pending.append(
                     {"client": info.name, "node": str(node_id), "phase": "hello", "reason": reason}
                 )

@@ -55,6 +55,8 @@ wait-timeout = {wait_timeout!r}
 min-nodes = 0
 # where the ServerApp writes its run folder ("" : no folder, results only in the log)
 out-dir = {out_dir}
+# node id -> partition, "ID:P,ID:P" from the registered SuperNode keys ("": first claim wins)
+partition-map = ""
 """
 
 README = """\
