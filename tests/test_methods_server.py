@@ -17,7 +17,6 @@ from protofl.methods.feddap import cpcl_loss, domain_prototypes, dpa_loss, fusio
 from protofl.methods.fedtgp import adaptive_margin, margin_loss
 from protofl.methods.mpft import distillation_kl, teacher_logits
 from protofl.models.client import build_client_model
-from protofl.privacy import MECHANISM_REGISTRY
 from protofl.privacy.base import Release
 
 LOG1P_E2 = math.log1p(math.exp(-2.0))  # -log(e^2 / (e^2 + e^0)) = 0.126928...
@@ -282,17 +281,7 @@ def test_moon_first_round_negative_is_global_and_state_holds_tensors() -> None:
 
 
 # ----- conformance -------------------------------------------------------------------------
-FAST = {"fedtgp": {"server_epochs": 20}}  # fewer server epochs than the default, for speed
-METHODS = ["fedavg", "fedprox", "moon", "fedtgp", "mpft", "feddap"]
-
-
-@pytest.mark.parametrize("mechanism", ["none", "igpp", "vpdr"])
-@pytest.mark.parametrize("name", METHODS)
-def test_check_method(name: str, mechanism: str) -> None:
-    base = "vpp" if mechanism == "vpdr" else mechanism
-    if base not in MECHANISM_REGISTRY.names():
-        pytest.skip(f"mechanism {base!r} not registered yet")
-    check_method(name, mechanism, FAST.get(name))
+# every registered method x mechanism: tests/test_methods_checks.py
 
 
 def test_check_feddap_personalized() -> None:

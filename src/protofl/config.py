@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from protofl.errors import ConfigError
+from protofl.presets import apply_preset, check_preset, difference
 from protofl.privacy.config import PrivacyConfig
 from protofl.registry import nearest
 
@@ -22,10 +24,6 @@ C = TypeVar("C")
 CONFIG_SCHEMA = 2
 """Version of the config's layout; a run records it and is only resumed by the same schema
 (2: ``privacy.noise_seed``)."""
-
-
-class ConfigError(ValueError):
-    """A configuration key or value is wrong; the message names the key."""
 
 
 def check_range(
@@ -241,8 +239,6 @@ class ExperimentConfig:
     def __post_init__(self) -> None:
         check_range("seed", self.seed, low=0)
         if self.preset is not None:
-            from protofl.presets import check_preset
-
             check_preset(self.preset, self.data.name)
 
     # --- conversion -------------------------------------------------------------------------
@@ -258,9 +254,10 @@ class ExperimentConfig:
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> ExperimentConfig:
         """Build and validate from a nested mapping; unknown keys fail with the nearest name.
         A ``preset`` fills in the values the mapping does not give (protofl.presets)."""
-        from protofl.presets import apply_preset
-
-        config = _build(cls, apply_preset(data), prefix="", source=source)
+        filled = apply_preset(
+            data, default_dataset=DataConfig.name, default_method=MethodConfig.name
+        )
+        config = _build(cls, filled, prefix="", source=source)
         object.__setattr__(config, "_given", copy.deepcopy(dict(data)))  # for with_overrides
         return config
 
@@ -295,8 +292,6 @@ class ExperimentConfig:
     def with_overrides(self, overrides: Sequence[str]) -> ExperimentConfig:
         """Apply ``key=value`` strings with dotted keys (``federation.rounds=2``), over the
         values this config was given (so a preset, even one set here, stays beneath them)."""
-        from protofl.presets import override_base
-
         data = override_base(self)
         for item in overrides:
             if "=" not in item:
@@ -304,6 +299,16 @@ class ExperimentConfig:
             key, raw = item.split("=", 1)
             set_dotted(data, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
         return ExperimentConfig.from_dict(data, source="--set")
+
+
+def override_base(config: ExperimentConfig) -> dict[str, Any]:
+    """What ``--set`` overrides apply to: the mapping ``config`` was read from (before its
+    preset was filled in), else (a config built in code) its values that differ from the
+    defaults, so that a preset named by an override is not hidden by default values."""
+    given = getattr(config, "_given", None)
+    if isinstance(given, dict):
+        return copy.deepcopy(given)
+    return difference(config.to_dict(), ExperimentConfig().to_dict())
 
 
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:

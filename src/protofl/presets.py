@@ -23,13 +23,10 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from protofl.config import ConfigError, DataConfig, MethodConfig
+from protofl.errors import ConfigError
 from protofl.registry import nearest
-
-if TYPE_CHECKING:
-    from protofl.config import ExperimentConfig
 
 
 @dataclass(frozen=True)
@@ -254,7 +251,9 @@ def preset_settings(name: str, dataset: str, method: str) -> dict[str, Any]:
     return PRESETS[name].settings(dataset, method)
 
 
-def apply_preset(data: Mapping[str, Any]) -> dict[str, Any]:
+def apply_preset(
+    data: Mapping[str, Any], *, default_dataset: str, default_method: str
+) -> dict[str, Any]:
     """``data`` (a raw config mapping) with its preset's values filled in beneath it.
 
     Every value in ``data`` wins; sections and mappings (``method.params``, ``data.options``)
@@ -264,10 +263,10 @@ def apply_preset(data: Mapping[str, Any]) -> dict[str, Any]:
     if name is None:
         return dict(data)
     if not isinstance(name, str) or name not in PRESETS:
-        check_preset(name, DataConfig.name)  # raises, naming the valid presets
-    dataset = _section(data, "data").get("name", DataConfig.name)
+        check_preset(name, default_dataset)  # raises, naming the valid presets
+    dataset = _section(data, "data").get("name", default_dataset)
     method = _section(data, "method").get(
-        "name", PRESETS[name].common.get("method.name", MethodConfig.name)
+        "name", PRESETS[name].common.get("method.name", default_method)
     )
     if not isinstance(dataset, str) or not isinstance(method, str):
         return dict(data)  # the wrong type is reported when the config is built
@@ -275,18 +274,6 @@ def apply_preset(data: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in preset_settings(name, dataset, method).items():
         _set_dotted(base, key, value)
     return _merge_under(base, data)
-
-
-def override_base(config: ExperimentConfig) -> dict[str, Any]:
-    """What ``--set`` overrides apply to: the mapping ``config`` was read from (before its
-    preset was filled in), else (a config built in code) its values that differ from the
-    defaults, so that a preset named by an override is not hidden by default values."""
-    given = getattr(config, "_given", None)
-    if isinstance(given, dict):
-        return copy.deepcopy(given)
-    from protofl.config import ExperimentConfig
-
-    return _difference(config.to_dict(), ExperimentConfig().to_dict())
 
 
 def _section(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
@@ -314,12 +301,12 @@ def _merge_under(base: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str,
     return out
 
 
-def _difference(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+def difference(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in values.items():
         default = defaults.get(key)
         if isinstance(value, dict) and isinstance(default, dict) and default:
-            nested = _difference(value, default)
+            nested = difference(value, default)
             if nested:
                 out[key] = nested
         elif key not in defaults or value != default:
@@ -334,6 +321,6 @@ __all__ = [
     "Preset",
     "apply_preset",
     "check_preset",
-    "override_base",
+    "difference",
     "preset_settings",
 ]

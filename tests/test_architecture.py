@@ -1,0 +1,134 @@
+"""The shape of the package: no import cycles, names only in the registries."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import protofl
+
+SRC = Path(protofl.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement, at any depth (functions too), except ``if TYPE_CHECKING:``."""
+    out: list[ast.Import | ast.ImportFrom] = []
+
+    def walk(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for alt in child.orelse:
+                    walk(alt)
+                continue
+            if isinstance(child, ast.Import | ast.ImportFrom):
+                out.append(child)
+            walk(child)
+
+    walk(tree)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the protofl modules it imports (a package import counts as its __init__)."""
+    files = {_module_name(p): p for p in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in _imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            for t in targets:
+                while t and t not in files and "." in t:
+                    t = t.rpartition(".")[0]
+                if t in files and t != mod:
+                    graph[mod].add(t)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    assert graph.get("protofl.engine.simulation")
+    assert cycles(graph) == [], "import cycles (imports inside functions count too)"
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_the_engine_does_not_import_the_attacks() -> None:
+    graph = import_graph()
+    for mod in ("protofl.engine.simulation", "protofl.engine.batched", "protofl.engine.round"):
+        assert not any(t.startswith("protofl.attacks") for t in graph[mod]), mod
+
+
+def test_cli_choices_come_from_the_registries() -> None:
+    from protofl.cli import build_parser
+    from protofl.engine.engines import ENGINE_REGISTRY
+    from protofl.privacy.base import private_mechanisms
+
+    parser = build_parser()
+    actions = {a.dest: a for a in parser._subparsers._group_actions[0].choices["run"]._actions}  # type: ignore[union-attr]
+    assert list(actions["engine"].choices) == ENGINE_REGISTRY.names()
+    audit = parser._subparsers._group_actions[0].choices["audit"]  # type: ignore[union-attr]
+    mech = {a.dest: a for a in audit._actions}["mechanism"]
+    assert list(mech.choices) == private_mechanisms() == ["igpp", "vpdr", "vpp"]
+
+
+def test_an_unknown_engine_or_mechanism_is_named_by_its_registry() -> None:
+    import pytest
+
+    from protofl.config import ExperimentConfig
+    from protofl.engine.engines import run_engine
+    from protofl.engine.federated_data import preflight
+
+    with pytest.raises(ValueError, match=r"unknown engine 'flwr'.*valid engines: flower"):
+        run_engine(ExperimentConfig().with_overrides(["run.engine=flwr"]))
+    with pytest.raises(ValueError, match=r"unknown mechanism 'igppp'.*did you mean 'igpp'"):
+        preflight(ExperimentConfig().with_overrides(["privacy.mechanism=igppp"]))
