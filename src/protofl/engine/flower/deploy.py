@@ -2,10 +2,18 @@
 
     python -m protofl.engine.flower.deploy [CONFIG] [--set K=V ...] [--workdir DIR]
 
-starts ``flower-superlink`` and one ``flower-supernode`` per client on 127.0.0.1 (insecure:
-loopback only; TLS is required anywhere else, see docs/distributed.md), writes a Flower App for
-the config, runs it with ``flwr run`` against them and stops every process it started, by its
-id, whether the run passed or failed.
+starts ``flower-superlink`` and one ``flower-supernode`` per client on 127.0.0.1, writes a
+Flower App for the config, runs it with ``flwr run`` against them and stops every process it
+started, by its id, whether the run passed or failed.
+
+Authenticated by default (docs/distributed.md, "Authenticated nodes"): the deployment writes a
+self-signed CA and a SuperLink certificate for TLS and one ECDSA key pair per SuperNode into its
+folder, starts the SuperLink with ``--enable-supernode-auth``, registers each node's public key
+(``flwr supernode register``) before that node starts, and passes the resulting node id ->
+partition map to the ServerApp (run config ``partition-map``), so a partition belongs to the
+node holding its key.  A SuperNode whose key is not registered is refused by the SuperLink; a
+registered node claiming a partition not bound to it is refused by the strategy and recorded in
+``rejected``.  ``insecure=True`` (``--insecure``) runs without TLS and authentication.
 
 Every process is started in its own session, so its process group id is its pid; stopping sends
 SIGTERM to that group (the SuperLink's and SuperNodes' SuperExec and ClientApp children belong
@@ -28,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from protofl.config import ExperimentConfig
+from protofl.engine.flower.credentials import NodeKey, TlsFiles, write_node_key, write_tls
 
 HOST = "127.0.0.1"
 CONNECTION = "protofl-loopback"
@@ -71,10 +80,27 @@ def group_alive(pgid: int) -> list[int]:
     return alive
 
 
+def _registered_id(output: str) -> int | None:
+    """The node id in ``flwr supernode register --format json`` output (None: not there)."""
+    start = output.find("{")
+    try:
+        reply = json.loads(output[start:]) if start >= 0 else {}
+        return int(reply["node-id"]) if reply.get("success") else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 @dataclass
 class LoopbackDeployment:
     """A SuperLink and ``num_nodes`` SuperNodes on 127.0.0.1; a context manager that stops
-    every process it started on exit (pass or fail)."""
+    every process it started on exit (pass or fail).
+
+    ``insecure=False`` (the default): TLS and SuperNode authentication, with the certificates
+    in ``workdir/tls`` and the node keys in ``workdir/keys`` (written at construction);
+    SuperNode ``supernode-I`` holds partition I, and :attr:`partition_map` (node id ->
+    partition, filled by :meth:`start`) is passed to every run.  ``insecure=True``: plain HTTP,
+    any node may connect and claim any partition (first claim wins).
+    """
 
     workdir: Path
     num_nodes: int
@@ -83,16 +109,29 @@ class LoopbackDeployment:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     node_config: dict[str, str] = field(default_factory=dict)
+    insecure: bool = False
+    register_timeout: float = 120.0
+    keys: dict[str, NodeKey] = field(default_factory=dict)  # node name -> its key pair
+    node_ids: dict[str, int] = field(default_factory=dict)  # registered name -> node id
+    partition_map: dict[int, int] = field(default_factory=dict)  # node id -> partition
 
     def __post_init__(self) -> None:
+        if self.num_nodes < 1:
+            raise ValueError(f"num_nodes={self.num_nodes}: a deployment needs at least 1 node")
         self.workdir = Path(self.workdir).absolute()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
         self.flwr_home = self.workdir / "flwr-home"
         self.flwr_home.mkdir(exist_ok=True)
+        self.tls: TlsFiles | None = None
+        if self.insecure:
+            transport = "insecure = true"
+        else:
+            self.tls = write_tls(self.workdir / "tls", (HOST, "localhost"))
+            transport = f"root-certificates = {json.dumps(str(self.tls.ca_cert))}"
         (self.flwr_home / "config.toml").write_text(
             f'[superlink]\ndefault = "{CONNECTION}"\n\n'
-            f'[superlink.{CONNECTION}]\naddress = "{HOST}:{self.port}"\ninsecure = true\n'
+            f'[superlink.{CONNECTION}]\naddress = "{HOST}:{self.port}"\n{transport}\n'
         )
 
     # ----- environment ---------------------------------------------------------------------
@@ -128,13 +167,29 @@ class LoopbackDeployment:
         return proc
 
     # ----- lifecycle -------------------------------------------------------------------------
+    def _transport_args(self, server: bool) -> list[str]:
+        if self.tls is None:
+            return ["--insecure"]
+        if server:
+            return [
+                "--ssl-ca-certfile",
+                str(self.tls.ca_cert),
+                "--ssl-certfile",
+                str(self.tls.server_cert),
+                "--ssl-keyfile",
+                str(self.tls.server_key),
+                "--enable-supernode-auth",
+            ]
+        return ["--root-certificates", str(self.tls.ca_cert)]
+
     def start(self, timeout: float = 120.0) -> None:
-        """Start the SuperLink, wait until it listens, then start the SuperNodes."""
+        """Start the SuperLink, wait until it listens, register the SuperNodes' keys (fixing
+        :attr:`partition_map`), then start the SuperNodes."""
         link = self._spawn(
             "superlink",
             [
                 "flower-superlink",
-                "--insecure",
+                *self._transport_args(server=True),
                 "--host",
                 HOST,
                 "--port",
@@ -143,18 +198,106 @@ class LoopbackDeployment:
             ],
         )
         _wait_port(self.port, link, timeout)
-        for i in range(self.num_nodes):
-            self.start_node(f"supernode-{i}", i)
+        names = [f"supernode-{i}" for i in range(self.num_nodes)]
+        if self.tls is not None:
+            ids = self.register(names)
+            self.partition_map = {ids[name]: i for i, name in enumerate(names)}
+        for i, name in enumerate(names):
+            self.start_node(name, i)
 
-    def start_node(self, name: str, partition: int, **node_config: str) -> None:
+    def node_key(self, name: str) -> NodeKey:
+        """SuperNode ``name``'s key pair (written into ``workdir/keys`` on first use)."""
+        if name not in self.keys:
+            self.keys[name] = write_node_key(self.workdir / "keys", name)
+        return self.keys[name]
+
+    def register(self, names: list[str]) -> dict[str, int]:
+        """Register the public keys of SuperNodes ``names`` with the SuperLink (``flwr
+        supernode register``, all at once); returns name -> node id (also in :attr:`node_ids`)."""
+        if self.tls is None:
+            raise RuntimeError("an insecure deployment has no SuperNode authentication")
+        todo = [n for n in dict.fromkeys(names) if n not in self.node_ids]
+        procs = {
+            name: subprocess.Popen(
+                [
+                    self._exe("flwr"),
+                    "supernode",
+                    "register",
+                    str(self.node_key(name).public_key),
+                    CONNECTION,
+                    "--name",
+                    name,
+                    "--format",
+                    "json",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                env=self.env(),
+                cwd=self.workdir,
+            )
+            for name in todo
+        }
+        failed = []
+        for name, proc in procs.items():
+            try:
+                out, err = proc.communicate(timeout=self.register_timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            text = out.decode(errors="replace")
+            log = self.workdir / f"register-{name}.log"
+            log.write_text(text + err.decode(errors="replace"))
+            node_id = _registered_id(text) if proc.returncode == 0 else None
+            if node_id is None:
+                lines = [ln.strip() for ln in log.read_text().splitlines() if ln.strip()]
+                failed.append(f"{name} ({lines[-1] if lines else f'exit {proc.returncode}'})")
+            else:
+                self.node_ids[name] = node_id
+        if failed:
+            raise RuntimeError(
+                f"flwr supernode register failed for {', '.join(failed)}; logs: "
+                f"{self.workdir}/register-*.log"
+            )
+        return {name: self.node_ids[name] for name in names}
+
+    def online_node_ids(self) -> set[int]:
+        """Ids of the SuperNodes the SuperLink lists as online (``flwr supernode ls``)."""
+        out = subprocess.run(
+            [self._exe("flwr"), "supernode", "ls", CONNECTION, "--format", "json"],
+            capture_output=True,
+            env=self.env(),
+            cwd=self.workdir,
+            timeout=self.register_timeout,
+        ).stdout.decode(errors="replace")
+        try:
+            nodes = json.loads(out[out.find("{") :])["nodes"]
+            return {int(n["node-id"]) for n in nodes if n.get("status") == "online"}
+        except (ValueError, KeyError, TypeError):
+            raise RuntimeError(f"flwr supernode ls gave no node list: {out[-300:]!r}") from None
+
+    def start_node(
+        self, name: str, partition: int, *, register: bool = True, **node_config: str
+    ) -> None:
         """Start one SuperNode claiming ``partition`` (``node_config``: further entries, e.g.
-        ``state-dir``); a name already used gets a fresh log (a restart)."""
+        ``state-dir``); a name already used gets a fresh log and keeps its key (a restart).
+
+        Authenticated deployments: the node signs with ``name``'s key, registered first unless
+        ``register=False`` (a node the SuperLink must refuse).  A name registered after
+        :meth:`start` is authenticated but bound to no partition.
+        """
+        auth: list[str] = []
+        if self.tls is not None:
+            if register:
+                self.register([name])
+            auth = ["--auth-supernode-private-key", str(self.node_key(name).private_key)]
         extra = "".join(f' {k}="{v}"' for k, v in {**self.node_config, **node_config}.items())
         self._spawn(
             name,
             [
                 "flower-supernode",
-                "--insecure",
+                *self._transport_args(server=False),
+                *auth,
                 "--superlink",
                 f"{HOST}:{self.port}",
                 "--host",
@@ -167,9 +310,13 @@ class LoopbackDeployment:
         )
 
     def start_run(self, app_dir: Path, *, run_config: str | None = None) -> subprocess.Popen[bytes]:
-        """Start ``flwr run APP protofl-loopback --stream`` (its output goes to flwr-run.log);
-        the process is stopped with the others."""
+        """Start ``flwr run APP protofl-loopback --stream`` (its output goes to flwr-run.log),
+        with :attr:`partition_map` in the run config; the process is stopped with the others."""
+        from protofl.engine.flower.server_app import format_partition_map
+
         cmd = ["flwr", "run", str(app_dir), CONNECTION, "--stream"]
+        if self.partition_map:
+            cmd += ["--run-config", f'partition-map="{format_partition_map(self.partition_map)}"']
         if run_config:
             cmd += ["--run-config", run_config]
         return self._spawn("flwr-run", cmd)
@@ -237,8 +384,10 @@ def run_loopback(
     num_nodes: int | None = None,
     round_timeout: float = 120.0,
     timeout: float = 900.0,
+    insecure: bool = False,
 ) -> dict[str, Any]:
-    """Write the app, deploy on loopback, ``flwr run`` it, stop everything; the run summary."""
+    """Write the app, deploy on loopback (authenticated unless ``insecure``), ``flwr run`` it,
+    stop everything; the run summary."""
     from protofl.engine.flower.app import write_flower_app
 
     workdir = Path(workdir).absolute()
@@ -256,7 +405,7 @@ def run_loopback(
         wait_timeout=min(timeout, 300.0),
         num_supernodes=num_nodes,
     )
-    with LoopbackDeployment(workdir, num_nodes) as dep:
+    with LoopbackDeployment(workdir, num_nodes, insecure=insecure) as dep:
         code = dep.flwr_run(app, timeout=timeout)
         summaries = sorted(runs.glob("*/summary.json")) if runs.exists() else []
         if code != 0 or not summaries:
@@ -274,6 +423,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=None, help="SuperNodes (default: one per client)")
     p.add_argument("--round-timeout", type=float, default=120.0)
     p.add_argument("--timeout", type=float, default=900.0, help="limit for the whole run")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no TLS and no SuperNode authentication (any local process may join)",
+    )
     args = p.parse_args(argv)
     config = ExperimentConfig.from_yaml(args.config) if args.config else ExperimentConfig()
     config = config.with_overrides(args.set or [])
@@ -283,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         num_nodes=args.nodes,
         round_timeout=args.round_timeout,
         timeout=args.timeout,
+        insecure=args.insecure,
     )
     print(json.dumps(summary, indent=2))
     return 0
