@@ -488,9 +488,7 @@ class Simulation:
         return {
             "round": self.round,
             "method": self.method.state_dict(),
-            "mechanism": self.mechanism.state_dict()
-            if hasattr(self.mechanism, "state_dict")
-            else {},
+            "mechanism": self.mechanism.state_dict(),
             "global_state": self.global_state,
             "server_gen": self.server_gen.get_state(),
             "public_counts": dict(self.public_counts),
@@ -519,8 +517,7 @@ class Simulation:
             )
         self.round = int(state["round"])
         self.method.load_state_dict(state["method"])
-        if hasattr(self.mechanism, "load_state_dict"):
-            self.mechanism.load_state_dict(state["mechanism"])
+        self.mechanism.load_state_dict(state["mechanism"])
         self.global_state = dict(state["global_state"])
         self.server_gen.set_state(state["server_gen"])
         self.public_counts = {int(k): int(v) for k, v in state.get("public_counts", {}).items()}

@@ -167,6 +167,14 @@ class Mechanism(ABC):
         """The vectorised release (mechanisms with ``vectorised`` true implement it)."""
         raise TypeError(f"mechanism {self.name!r} has no vectorised release")
 
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-safe mechanism state for checkpoints (default: none)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict` (default: nothing to restore)."""
+        del state
+
     def describe(self) -> dict[str, Any]:
         """Calibration facts for the run summary (sigma, accountant, neighbouring relation)."""
         return {"mechanism": self.name}

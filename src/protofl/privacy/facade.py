@@ -170,7 +170,7 @@ class PrototypePrivacy:
         """Everything to continue exactly: ledger, release count, mechanism state, the noise
         generator (in secret mode this holds the client's key: keep the checkpoint private),
         DCR teacher."""
-        mech = self.mechanism.state_dict() if hasattr(self.mechanism, "state_dict") else {}
+        mech = self.mechanism.state_dict()
         return {
             "config": dataclasses.asdict(self.config),
             "rounds": self.rounds,
@@ -198,8 +198,7 @@ class PrototypePrivacy:
             )
         self.releases_made = int(state["releases_made"])
         self.ledger.load_state_dict(state["ledger"])
-        if hasattr(self.mechanism, "load_state_dict"):
-            self.mechanism.load_state_dict(state["mechanism"])
+        self.mechanism.load_state_dict(state["mechanism"])
         self.generator.set_state(state["generator"])
         if state.get("dcr") is not None:
             if self._dcr is None:

@@ -538,17 +538,3 @@ def describe_metric(metric: str) -> str:
         f"Accuracy (%), {which}; AVG = mean over domains, STD = std over domains; "
         "mean ± sample std over the runs of a row (n); best per column marked (STD: lowest)."
     )
-
-
-def table_from_paths(
-    paths: Iterable[str | Path],
-    by: Sequence[str] | None = None,
-    metric: str = "final",
-    fmt: str = "md",
-) -> tuple[str, list[tuple[Path, str]]]:
-    """Convenience: collect, aggregate and format; returns the text and the skipped folders."""
-    runs, skipped = collect_runs(paths, metric)
-    if not runs:
-        listed = "; ".join(f"{p}: {why}" for p, why in skipped) or "no folders given"
-        raise ValueError(f"no finished runs to tabulate ({listed})")
-    return format_table(aggregate(runs, by, metric), fmt), skipped

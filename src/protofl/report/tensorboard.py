@@ -6,7 +6,6 @@ Scalars go to ``<run_dir>/tensorboard/``; view them with ``tensorboard --logdir 
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -56,15 +55,6 @@ class TensorBoardLogger:
             if isinstance(value, int | float) and math.isfinite(float(value)):
                 self.writer.add_scalar(tag, float(value), step)
         self.writer.flush()
-
-    def log_metrics_file(self, metrics_path: str | Path) -> int:
-        """Log every row of an existing ``metrics.jsonl`` (backfill); returns the row count."""
-        n = 0
-        for line in Path(metrics_path).read_text().splitlines():
-            if line.strip():
-                self.log_round(json.loads(line))
-                n += 1
-        return n
 
     def close(self) -> None:
         """Flush and close the event file."""

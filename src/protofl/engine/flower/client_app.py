@@ -141,7 +141,7 @@ def _own_mechanism_state(state: Any, name: str) -> Any:
 def client_state(sim: Simulation, c: Client) -> dict[str, Any]:
     """Everything one client changes across rounds (the per-client part of
     ``Simulation.state_dict``, plus its mechanism counters)."""
-    mech = sim.mechanism.state_dict() if hasattr(sim.mechanism, "state_dict") else {}
+    mech = sim.mechanism.state_dict()
     return {
         "model": {k: v.clone() for k, v in c.model.state_dict().items()},
         "optimizer": c.optimizer.state_dict(),
@@ -166,8 +166,7 @@ def load_client_state(sim: Simulation, c: Client, state: dict[str, Any]) -> None
     c.noise_gen.set_state(state["noise_gen"])
     if c.dcr is not None:
         c.dcr.load_state_dict(state["dcr"])
-    if hasattr(sim.mechanism, "load_state_dict"):
-        sim.mechanism.load_state_dict(state["mechanism"])
+    sim.mechanism.load_state_dict(state["mechanism"])
     if state.get("public_count") is not None:
         sim.public_counts[c.data.client] = int(state["public_count"])
     else:
