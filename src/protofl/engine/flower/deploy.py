@@ -40,6 +40,7 @@ from protofl.engine.flower.credentials import NodeKey, TlsFiles, write_node_key,
 
 HOST = "127.0.0.1"
 CONNECTION = "protofl-loopback"
+REGISTER_BATCH = 8  # `flwr supernode register` processes run at once
 
 
 def free_port() -> int:
@@ -80,14 +81,17 @@ def group_alive(pgid: int) -> list[int]:
     return alive
 
 
-def _registered_id(output: str) -> int | None:
-    """The node id in ``flwr supernode register --format json`` output (None: not there)."""
-    start = output.find("{")
+def _registered_id(output: str) -> int | str:
+    """The node id in ``flwr supernode register --format json`` output, or why there is none."""
     try:
-        reply = json.loads(output[start:]) if start >= 0 else {}
-        return int(reply["node-id"]) if reply.get("success") else None
-    except (ValueError, KeyError, TypeError):
-        return None
+        reply = json.loads(output[output.index("{") :])
+        if reply.get("success"):
+            return int(reply["node-id"])
+        lines = [ln.strip() for ln in str(reply.get("error-message", "")).splitlines()]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        lines = [ln.strip() for ln in output.splitlines()]
+    lines = [ln for ln in lines if ln]
+    return lines[-1] if lines else "no output"
 
 
 @dataclass
@@ -211,49 +215,52 @@ class LoopbackDeployment:
             self.keys[name] = write_node_key(self.workdir / "keys", name)
         return self.keys[name]
 
+    def _start_register(self, name: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [
+                self._exe("flwr"),
+                "supernode",
+                "register",
+                str(self.node_key(name).public_key),
+                CONNECTION,
+                "--name",
+                name,
+                "--format",
+                "json",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            env=self.env(),
+            cwd=self.workdir,
+        )
+
     def register(self, names: list[str]) -> dict[str, int]:
         """Register the public keys of SuperNodes ``names`` with the SuperLink (``flwr
-        supernode register``, all at once); returns name -> node id (also in :attr:`node_ids`)."""
+        supernode register``, ``REGISTER_BATCH`` at a time); returns name -> node id (also kept
+        in :attr:`node_ids`)."""
         if self.tls is None:
             raise RuntimeError("an insecure deployment has no SuperNode authentication")
         todo = [n for n in dict.fromkeys(names) if n not in self.node_ids]
-        procs = {
-            name: subprocess.Popen(
-                [
-                    self._exe("flwr"),
-                    "supernode",
-                    "register",
-                    str(self.node_key(name).public_key),
-                    CONNECTION,
-                    "--name",
-                    name,
-                    "--format",
-                    "json",
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                stdin=subprocess.DEVNULL,
-                env=self.env(),
-                cwd=self.workdir,
-            )
-            for name in todo
-        }
-        failed = []
-        for name, proc in procs.items():
-            try:
-                out, err = proc.communicate(timeout=self.register_timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, err = proc.communicate()
-            text = out.decode(errors="replace")
-            log = self.workdir / f"register-{name}.log"
-            log.write_text(text + err.decode(errors="replace"))
-            node_id = _registered_id(text) if proc.returncode == 0 else None
-            if node_id is None:
-                lines = [ln.strip() for ln in log.read_text().splitlines() if ln.strip()]
-                failed.append(f"{name} ({lines[-1] if lines else f'exit {proc.returncode}'})")
-            else:
-                self.node_ids[name] = node_id
+        failed: list[str] = []
+        for first in range(0, len(todo), REGISTER_BATCH):
+            batch = {
+                name: self._start_register(name) for name in todo[first : first + REGISTER_BATCH]
+            }
+            for name, proc in batch.items():
+                try:
+                    out, err = proc.communicate(timeout=self.register_timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    out, err = proc.communicate()
+                text = out.decode(errors="replace")
+                log = self.workdir / f"register-{name}.log"
+                log.write_text(text + err.decode(errors="replace"))
+                reply = _registered_id(text)
+                if isinstance(reply, int) and proc.returncode == 0:
+                    self.node_ids[name] = reply
+                else:
+                    failed.append(f"{name} ({reply}, exit {proc.returncode})")
         if failed:
             raise RuntimeError(
                 f"flwr supernode register failed for {', '.join(failed)}; logs: "
