@@ -4,8 +4,9 @@
 
 Starts a SuperLink and one SuperNode per client (each with a node-local state folder), runs the
 experiment through ``flwr run``, and meanwhile: after round 1 starts a hostile SuperNode that
-claims partition 0 (held by a live honest node); during round 2 kills SuperNode 5 (SIGTERM to
-its process group) and starts it again with the same partition and state folder.  Then checks
+claims partition 0 (held by a live honest node; in the default authenticated deployment its key
+is registered but bound to no partition); during round 2 kills SuperNode 5 (SIGTERM to its
+process group) and starts it again with the same partition, key and state folder.  Then checks
 that the run completed, that every rejection is in the record, that the hostile node never took
 part, and that no honest client's ledger was reset (each node-local state file holds one ledger
 entry per release the client made).  Prints a JSON summary (the figures in docs/distributed.md).
