@@ -43,8 +43,10 @@ def tiny_config(
     params: dict[str, Any] | None = None,
     rounds: int = 3,
     seed: int = 0,
+    clients_per_domain: int = 1,
 ) -> ExperimentConfig:
-    """Two domains x two clients of the generated ``toy`` set with the fast ``pixels`` backbone."""
+    """Two domains (x ``clients_per_domain`` clients) of the generated ``toy`` set with the fast
+    ``pixels`` backbone."""
     return ExperimentConfig.from_dict(
         {
             "name": f"check-{method}-{mechanism}",
@@ -53,7 +55,7 @@ def tiny_config(
                 "name": "toy",
                 "train_fraction": 1.0,
                 "domains": ["red", "blue"],
-                "clients_per_domain": 2,
+                "clients_per_domain": clients_per_domain,
             },
             "backbone": {
                 "name": "pixels",
@@ -90,7 +92,7 @@ def check_method(
     for the same seed; server and client state round-trip through ``torch.save``; every
     upload carries prototypes, classes and counts consistent with the client's data.
     """
-    config = tiny_config(name, mechanism, params)
+    config = tiny_config(name, mechanism, params, clients_per_domain=2)
     sim, hist = _run(config)
     losses = [h.train_loss for h in hist]
     assert all(math.isfinite(v) for v in losses), f"{name}/{mechanism}: non-finite loss {losses}"
