@@ -179,6 +179,12 @@ class Mechanism(ABC):
         """Calibration facts for the run summary (sigma, accountant, neighbouring relation)."""
         return {"mechanism": self.name}
 
+    def calibration(self) -> dict[str, Any]:
+        """The noise this calibration adds, as numbers (``protofl privacy calibrate`` prints
+        them): at least ``sigma``, the noise multiplier of one release, for a private
+        mechanism.  Default: none."""
+        return {}
+
     def release_events(self, release_index: int) -> list[dict[str, Any]]:
         """The DP events the ``release_index``-th (0-based) release of a client costs under this
         calibration: what a server charges, whatever the client declares.  Default: none."""

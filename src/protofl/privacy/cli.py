@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from protofl.privacy import mechanisms as _mechanisms  # noqa: F401  (registers igpp and vpp)
 from protofl.privacy.accounting import (
     ACCOUNTANTS,
     SPLITS,
@@ -20,6 +21,8 @@ from protofl.privacy.accounting import (
     calibrate_gaussian,
     calibrate_vpp,
 )
+from protofl.privacy.base import create_mechanism, private_mechanisms
+from protofl.privacy.config import PrivacyConfig
 
 
 def add_privacy_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -30,7 +33,7 @@ def add_privacy_parser(subparsers: Any) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="privacy_command", required=True)
 
     cal = sub.add_parser("calibrate", help="noise multiplier(s) for a budget")
-    cal.add_argument("--mechanism", choices=("igpp", "vpp"), default="igpp")
+    cal.add_argument("--mechanism", choices=private_mechanisms(), default="igpp")
     cal.add_argument("--epsilon", type=float, required=True)
     cal.add_argument("--delta", type=float, default=1e-5)
     cal.add_argument("--rounds", type=int, required=True)
@@ -72,7 +75,22 @@ def add_privacy_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _calibrate(args: argparse.Namespace) -> dict[str, Any]:
-    sigma_iso = calibrate_gaussian(args.epsilon, args.delta, args.rounds, args.accountant)
+    """The registered mechanism's own calibration (:meth:`Mechanism.calibration`) for the
+    budget and VPP settings on the command line."""
+    config = PrivacyConfig(
+        mechanism=args.mechanism,
+        epsilon=args.epsilon,
+        delta=args.delta,
+        accountant=args.accountant,
+        vpp_split=args.split,
+        vpp_variant=args.variant,
+        vpp_rho=args.rho,
+        vpp_ratio=args.ratio,
+        vpp_score_max=args.score_max,
+    )
+    if args.rounds < 1:
+        raise ValueError(f"--rounds={args.rounds} is not allowed; choose an integer >= 1")
+    mechanism = create_mechanism(config, rounds=args.rounds, dim=args.dim)
     out: dict[str, Any] = {
         "mechanism": args.mechanism,
         "accountant": args.accountant,
@@ -80,23 +98,7 @@ def _calibrate(args: argparse.Namespace) -> dict[str, Any]:
         "delta": args.delta,
         "rounds": args.rounds,
     }
-    if args.mechanism == "igpp":
-        out["sigma"] = sigma_iso
-        return out
-    b = calibrate_vpp(
-        args.epsilon,
-        args.delta,
-        args.rounds,
-        ratio=args.ratio,
-        rho=args.rho,
-        dim=args.dim,
-        score_max=args.score_max,
-        split=args.split,
-        accountant=args.accountant,
-        variant=args.variant,
-    )
-    out["sigma"] = b.sigma_ref
-    out.update({k: v for k, v in b.as_dict().items() if k not in out})
+    out.update({k: v for k, v in mechanism.calibration().items() if k not in out})
     return out
 
 
@@ -106,7 +108,7 @@ def _print_calibration(res: dict[str, Any]) -> None:
         f"rounds={res['rounds']}, accountant={res['accountant']}"
     )
     print(head)
-    if res["mechanism"] == "igpp":
+    if "sigma_A" not in res:
         print(f"  sigma = {res['sigma']:.4f}   (noise std per dim = sigma * 2R/n)")
         return
     lam = res["laplace_scale"]
@@ -155,9 +157,6 @@ def _print_table(res: dict[str, Any]) -> None:
 
 def _overlap(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-
-    from protofl.privacy.base import create_mechanism
-    from protofl.privacy.config import PrivacyConfig
 
     c, d = args.classes, args.dim
     results = []

@@ -526,6 +526,10 @@ class IGPP(_PrototypeMechanism):
         unit = torch.full((m, d), self.sigma * r, dtype=torch.float64)
         return clipped, unit
 
+    def calibration(self) -> dict[str, Any]:
+        """sigma_iso (VPDR Eq. 5): the noise std per dimension is sigma * Delta."""
+        return {"sigma": float(self.sigma)}
+
     def describe(self) -> dict[str, Any]:
         """sigma, accountant, budget, neighbouring relation, clip."""
         out = self._describe_common()
@@ -587,6 +591,11 @@ class VPP(_PrototypeMechanism):
         self.radius_b = config.clip * b.kappa_B
         self._partitions: dict[str, torch.Tensor] = {}
         self._history: dict[str, dict[str, torch.Tensor]] = {}
+
+    def calibration(self) -> dict[str, Any]:
+        """sigma_ref (the Gaussian part's reference multiplier) and the whole VPP budget:
+        selection budget, Laplace scale, partition sizes, group multipliers (Eq. 9-14)."""
+        return {"sigma": float(self.budget.sigma_ref), **self.budget.as_dict()}
 
     # --- selection ----------------------------------------------------------------------------
     def scores(
