@@ -196,12 +196,13 @@ class Simulation:
         """Every active client computes features with its current model and releases prototypes.
 
         A client that does not take part releases nothing and is charged nothing.  In batched
-        execution the features and releases of all clients are computed together (the same
-        releases, ledger entries and diagnostics; see ``BatchedTrainer.collect_uploads``).
+        execution the executor computes every client's features at once
+        (``BatchedTrainer.features_many``) and the mechanism releases them vectorised; the
+        upload loop (:meth:`upload`: ledger, diagnostics, hooks, poison) is this one either way.
         """
         trainer = self.batched_trainer()
         if trainer is not None and self.method.default_upload_features:
-            return trainer.collect_uploads(active)  # type: ignore[no-any-return]
+            return self.upload(active, trainer.features_many, vectorise=True)
         return self.upload(active, self.upload_features, vectorise=False)
 
     def upload_features(self, clients: Sequence[Client]) -> list[torch.Tensor]:

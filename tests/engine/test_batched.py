@@ -1,0 +1,362 @@
+"""Batched multi-client training agrees with the sequential engine (federation.execution)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import math
+
+import pytest
+import torch
+
+from protofl.attacks.mia import diagnostics_for
+from protofl.config import ExperimentConfig
+from protofl.data.cache import protofl_home
+from protofl.data.partition import PartitionError
+from protofl.engine.batched import BatchedTrainer, FrozenParameterPool
+from protofl.engine.federated_data import FederatedData, build_federated_data
+from protofl.engine.simulation import Simulation
+from protofl.privacy import create_mechanism
+from protofl.privacy.config import PrivacyConfig
+from protofl.privacy.mechanisms import release_many
+
+# parameters after 3 rounds: batched and per-client products sum in different orders, so the
+# two modes agree to float rounding, not bitwise
+ATOL = 1e-5
+
+
+def _config(**extra: str) -> ExperimentConfig:
+    over = {
+        "data.name": "toy",
+        "data.train_fraction": "1",
+        "data.clients_per_domain": "3",
+        "data.partition": "dirichlet",  # unequal client sizes (13 to 92 samples)
+        "data.dirichlet_alpha": "0.5",
+        "backbone.name": "pixels",
+        "backbone.image_size": "16",
+        "backbone.proto_dim": "32",
+        "federation.rounds": "3",
+        "federation.batch_size": "16",
+        "federation.local_epochs": "2",
+        "run.progress": "false",
+    }
+    over.update(extra)
+    return ExperimentConfig().with_overrides([f"{k}={v}" for k, v in over.items()])
+
+
+_DATA: dict[str, FederatedData] = {}
+
+
+def _data(cfg: ExperimentConfig) -> FederatedData:
+    key = repr((cfg.data, cfg.backbone.name, cfg.backbone.image_size, cfg.seed))
+    if key not in _DATA:
+        _DATA[key] = build_federated_data(cfg, protofl_home())
+    return _DATA[key]
+
+
+def _pair(**extra: str) -> tuple[Simulation, Simulation]:
+    seq = _config(**extra)
+    bat = _config(**extra, **{"federation.execution": "batched"})
+    return Simulation(seq, _data(seq)), Simulation(bat, _data(bat))
+
+
+def _max_diff(a: Simulation, b: Simulation) -> float:
+    worst = 0.0
+    for ca, cb in zip(a.clients, b.clients):
+        for p, q in zip(ca.model.state_dict().values(), cb.model.state_dict().values()):
+            worst = max(worst, float((p - q).abs().max()))
+        sa, sb = ca.optimizer.state_dict()["state"], cb.optimizer.state_dict()["state"]
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            for name in ("exp_avg", "exp_avg_sq", "step"):
+                diff = (sa[key][name].float() - sb[key][name].float()).abs().max()
+                worst = max(worst, float(diff))
+        if ca.dcr is not None:
+            assert ca.dcr.steps == cb.dcr.steps
+            for p, q in zip(ca.dcr.teacher.parameters(), cb.dcr.teacher.parameters()):
+                worst = max(worst, float((p - q).abs().max()))
+    return worst
+
+
+CASES = {
+    "local": {"method.name": "local"},
+    "fedproto": {},
+    "fedproto-vpdr-mlp": {"privacy.mechanism": "vpdr", "backbone.head": "mlp"},
+    "fedproto-frozen-proj-partial": {
+        "backbone.train_projection": "false",
+        "federation.participation": "0.5",
+        "privacy.mechanism": "vpp",
+    },
+    "fedavg": {"method.name": "fedavg"},
+    "fedprox-partial": {
+        "method.name": "fedprox",
+        "method.params.mu": "0.5",
+        "federation.participation": "0.5",
+    },
+    "fedtgp-igpp": {
+        "method.name": "fedtgp",
+        "method.params.budget": "reference",
+        "method.params.server_epochs": "5",
+        "privacy.mechanism": "igpp",
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_batched_matches_sequential(case: str) -> None:
+    seq, bat = _pair(**CASES[case])
+    hs, hb = seq.run(), bat.run()
+    assert bat.batched is not None and bat.batched.supported
+    assert [h.client_acc for h in hs] == [h.client_acc for h in hb]
+    assert [h.participants for h in hs] == [h.participants for h in hb]
+    for x, y in zip(hs, hb):
+        assert math.isclose(x.train_loss, y.train_loss, rel_tol=1e-5)
+    assert _max_diff(seq, bat) < ATOL
+    sizes = [c.data.num_train for c in seq.clients]
+    assert len(set(sizes)) > 3  # unequal clients: some are masked on padded steps
+
+
+def test_reference_optimizer_and_dcr_warmup() -> None:
+    extra = {"privacy.mechanism": "vpdr", "privacy.dcr_warmup_steps": "3"}
+    seq, bat = _pair(**extra)
+    bat.batched = BatchedTrainer(bat, optimizer="reference", memory_budget=1)  # 1 client/group
+    hs, hb = seq.run(), bat.run()
+    assert [h.client_acc for h in hs] == [h.client_acc for h in hb]
+    assert _max_diff(seq, bat) < ATOL
+
+
+def test_engine_hooks_match_sequential() -> None:
+    """Uploads from the trainer's features, evaluate and evaluate_holdout against the engine's."""
+    cfg = _config(
+        **{
+            "privacy.mechanism": "vpp",
+            "backbone.train_projection": "false",
+            "data.holdout_domain": "grey",
+            "federation.rounds": "2",
+            "federation.poison": "{red-1: 5.0}",
+            "run.mia_every": "2",
+        }
+    )
+    sim = Simulation(cfg, _data(cfg), upload_hooks=diagnostics_for(cfg))
+    sim.run_round()
+    twin = Simulation(cfg, _data(cfg), upload_hooks=diagnostics_for(cfg))
+    buf = io.BytesIO()
+    torch.save(sim.state_dict(), buf)
+    buf.seek(0)
+    twin.load_state_dict(torch.load(buf, weights_only=False))
+    trainer = BatchedTrainer(twin)
+    assert trainer.evaluate() == sim.evaluate()
+    assert trainer.evaluate_holdout() == pytest.approx(sim.evaluate_holdout())
+    active = [i % 3 != 0 for i in range(len(sim.clients))]
+    ups = sim.collect_uploads(active)
+    ups_b = twin.upload(active, trainer.features_many, vectorise=True)
+    assert [u.client for u in ups] == [u.client for u in ups_b]
+    for u, v in zip(ups, ups_b):
+        assert u.release is not None and v.release is not None
+        assert torch.equal(u.release.classes, v.release.classes)
+        assert torch.equal(u.release.noise_std, v.release.noise_std)
+        assert u.release.info == v.release.info and u.release.events == v.release.events
+        assert torch.allclose(u.release.prototypes, v.release.prototypes, atol=1e-4)
+    assert [r is None for r in sim.releases[-1]] == [r is None for r in twin.releases[-1]]
+    for name, stats in sim.last_feature_norms.items():
+        assert twin.last_feature_norms[name] == pytest.approx(stats, rel=1e-5)
+    assert sim.last_mia and sim.last_mia.keys() == twin.last_mia.keys()
+    for name, scores in sim.last_mia.items():
+        assert twin.last_mia[name] == pytest.approx(scores, rel=1e-3, abs=1e-3)
+    for c, d in zip(sim.clients, twin.clients):
+        assert c.ledger.state_dict() == d.ledger.state_dict()
+        assert torch.equal(c.noise_gen.get_state(), d.noise_gen.get_state())
+
+
+def test_checkpoint_resume_in_batched_mode() -> None:
+    cfg = _config(**{"federation.execution": "batched", "privacy.mechanism": "vpdr"})
+    full = Simulation(cfg, _data(cfg))
+    full.run()
+    part = Simulation(cfg, _data(cfg))
+    part.run(rounds=2)
+    buf = io.BytesIO()
+    torch.save(part.state_dict(), buf)
+    size = buf.tell()
+    resumed = Simulation(cfg, _data(cfg))
+    buf.seek(0)
+    resumed.load_state_dict(torch.load(buf, weights_only=False))
+    resumed.run()
+    assert [h.client_acc for h in resumed.history] == [h.client_acc for h in full.history]
+    assert _max_diff(full, resumed) < ATOL
+    # the checkpoint holds each client's rows once, not the stacked storage per client
+    own = sum(p.numel() * 4 * 3 for c in part.clients for p in c.model.trainable_parameters())
+    assert size < 2 * own + 2**20
+
+
+def test_unsupported_method_falls_back(caplog: pytest.LogCaptureFixture) -> None:
+    seq, bat = _pair(**{"method.name": "moon", "federation.rounds": "2"})
+    with caplog.at_level(logging.INFO, logger="protofl.engine.batched"):
+        hb = bat.run()
+    assert "method moon cannot batch; falling back to sequential" in caplog.text
+    assert not bat.batched.supported
+    assert [h.client_acc for h in seq.run()] == [h.client_acc for h in hb]
+
+
+def test_unsupported_model_falls_back(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = _config(**{"federation.execution": "batched"})
+    sim = Simulation(cfg, _data(cfg))
+    sim.clients[2].model.head = torch.nn.Sequential(
+        torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)
+    )
+    with caplog.at_level(logging.INFO, logger="protofl.engine.batched"):
+        trainer = BatchedTrainer(sim)
+    assert not trainer.supported
+    assert "cannot batch; falling back to sequential" in caplog.text
+    assert sim.clients[2].data.name in caplog.text
+
+
+def test_too_many_clients_fail_with_the_partitioner_numbers() -> None:
+    cfg = _config(**{"data.clients_per_domain": "500", "federation.execution": "batched"})
+    with pytest.raises(PartitionError, match=r"160 samples cannot give 500 clients"):
+        build_federated_data(cfg, protofl_home())
+
+
+def test_frozen_projection_is_shared() -> None:
+    cfg = _config(**{"backbone.train_projection": "false", "federation.execution": "batched"})
+    sim = Simulation(cfg, _data(cfg))
+    # the engine pools identical frozen parameters as it builds the clients
+    first = sim.clients[0].model.proj.weight
+    assert all(c.model.proj.weight is first for c in sim.clients)
+    assert sim.frozen_pool.shared_bytes == (len(sim.clients) - 1) * (first.numel() + 32) * 4
+    # trainable parameters stay per client
+    heads = {id(c.model.head.weight) for c in sim.clients}
+    assert len(heads) == len(sim.clients)
+    pool = FrozenParameterPool()  # pooling again finds nothing left to share
+    for c in sim.clients:
+        pool.share(c.model)
+    assert pool.shared_bytes == 0
+    sim.run(rounds=1)  # trains, evaluates, releases with the shared tensor
+    assert all(c.model.proj.weight is first for c in sim.clients)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"mechanism": "igpp"},
+        {"mechanism": "igpp", "igpp_group_clip": True},
+        {"mechanism": "vpp"},
+        {"mechanism": "vpp", "vpp_variant": "normalized_once"},
+        {"mechanism": "vpp", "vpp_variant": "history", "neighbouring": "add_remove"},
+        {"mechanism": "vpp", "neighbouring": "add_remove", "addremove_counts": "noisy"},
+        {"mechanism": "none"},
+    ],
+)
+def test_release_many_matches_per_client_releases(settings: dict[str, object]) -> None:
+    gen = torch.Generator().manual_seed(0)
+    sizes = [0, 1, 3, 17, 40, 7, 25]
+    feats = [3 * torch.randn(n, 16, generator=gen) for n in sizes]
+    labels = [torch.randint(0, 5, (n,), generator=gen) for n in sizes]
+    names = [f"c{i}" for i in range(len(sizes))]
+    cfg = PrivacyConfig(warn_min_count=2, **settings)  # type: ignore[arg-type]
+    a = create_mechanism(cfg, rounds=2, dim=16)
+    b = copy.deepcopy(a)
+    gens_a = [torch.Generator().manual_seed(i) for i in range(len(sizes))]
+    gens_b = [torch.Generator().manual_seed(i) for i in range(len(sizes))]
+    for _ in range(2):
+        ra = [
+            a.release(f, y, num_classes=5, generator=g, client=n)
+            for f, y, g, n in zip(feats, labels, gens_a, names)
+        ]
+        rb = release_many(b, feats, labels, num_classes=5, generators=gens_b, clients=names)
+        for x, y in zip(ra, rb):
+            assert torch.equal(x.classes, y.classes) and torch.equal(x.counts, y.counts)
+            assert torch.equal(x.sensitivity, y.sensitivity)
+            assert torch.equal(x.noise_std, y.noise_std)
+            assert x.info == y.info and x.events == y.events and x.mechanism == y.mechanism
+            assert torch.allclose(x.prototypes, y.prototypes, atol=1e-5)
+        for g, h in zip(gens_a, gens_b):
+            assert torch.equal(g.get_state(), h.get_state())
+    if hasattr(a, "state_dict"):
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa.get("released") == sb.get("released")
+        assert sa.get("partitions") == sb.get("partitions")
+    if settings["mechanism"] != "none":  # the budget guard, as release's
+        with pytest.raises(RuntimeError, match="already made the 2 releases"):
+            release_many(b, feats, labels, num_classes=5, generators=gens_b, clients=names)
+
+
+def test_release_many_rejects_bad_features_like_release() -> None:
+    mech = create_mechanism(PrivacyConfig(mechanism="vpp"), rounds=1, dim=8)
+    good = torch.randn(4, 8)
+    bad = good.clone()
+    bad[1, 2] = math.nan
+    labels = [torch.tensor([0, 1, 0, 1])] * 2
+    gens = [torch.Generator(), torch.Generator()]
+    with pytest.raises(ValueError, match="client 'b': 1 feature vectors are not finite"):
+        release_many(mech, [good, bad], labels, num_classes=2, generators=gens, clients=["a", "b"])
+
+
+def test_float16_cached_features_train_and_evaluate_batched() -> None:
+    """The batched paths upcast float16 features (half the feature memory)."""
+    cfg = _config(**{"backbone.train_projection": "false", "federation.rounds": "2"})
+    full = Simulation(cfg, _data(cfg))
+    half_data = copy.copy(_data(cfg))
+    half_data.clients = [copy.copy(c) for c in half_data.clients]
+    tests: dict[int, torch.Tensor] = {}
+    for c in half_data.clients:
+        c.train_z = c.train_z.half()
+        c.test_z = tests.setdefault(id(c.test_z), c.test_z.half())
+    half = Simulation(cfg, half_data)
+    for sim in (full, half):
+        trainer = BatchedTrainer(sim)
+        for _ in range(2):
+            ups = sim.upload(None, trainer.features_many, vectorise=True)
+            sim.global_state = sim.method.aggregate(ups, sim.round)
+            trainer.train(sim.clients)
+            sim.round += 1
+        sim.history_acc = trainer.evaluate()  # type: ignore[attr-defined]
+    a, b = full.history_acc, half.history_acc  # type: ignore[attr-defined]
+    assert abs(sum(a.values()) - sum(b.values())) / len(a) < 0.05
+
+
+def test_privacy_status_accounts_each_distinct_ledger_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from protofl.privacy import accounting
+
+    cfg = _config(**{"privacy.mechanism": "igpp", "federation.rounds": "1"})
+    sim = Simulation(cfg, _data(cfg))
+    calls: list[int] = []
+    real = accounting.epsilon_spent
+
+    def counting(events: list[dict[str, object]], **kw: object) -> float:
+        calls.append(len(events))
+        return real(events, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(accounting, "epsilon_spent", counting)
+    sim.run_round()
+    eps = sim.history[-1].privacy["epsilon_spent"]
+    # every client made the same kind of release (same sigma, same sensitivity): one composition
+    assert len(set(eps.values())) == 1 and len(calls) == 1
+    fresh = {c.data.name: real(c.ledger.events(), delta=c.ledger.delta) for c in sim.clients}
+    assert eps == pytest.approx(fresh)
+    # a client whose ledger differs (it sat out a round) is accounted on its own
+    sim.clients[0].ledger.entries.pop()
+    sim.clients[0].ledger._cache = None
+    status = sim.privacy_status()
+    assert status["epsilon_spent"][sim.clients[0].data.name] == 0.0
+    assert status["epsilon_spent"][sim.clients[1].data.name] == eps[sim.clients[1].data.name]
+
+
+def test_batched_engine_uses_the_batched_uploads_and_evaluation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seq, bat = _pair(**{"privacy.mechanism": "vpp", "data.holdout_domain": "grey"})
+    used: list[str] = []
+    for name in ("features_many", "evaluate", "evaluate_holdout"):
+        real = getattr(BatchedTrainer, name)
+
+        def spy(self: BatchedTrainer, *a: object, _real: object = real, _n: str = name) -> object:
+            used.append(_n)
+            return _real(self, *a)  # type: ignore[operator]
+
+        monkeypatch.setattr(BatchedTrainer, name, spy)
+    hs, hb = seq.run(), bat.run()
+    assert set(used) == {"features_many", "evaluate", "evaluate_holdout"}
+    assert [h.client_acc for h in hs] == [h.client_acc for h in hb]
+    assert [h.holdout_acc for h in hs] == pytest.approx([h.holdout_acc for h in hb])
+    assert [h.privacy for h in hs] == [h.privacy for h in hb]
