@@ -132,3 +132,31 @@ def test_an_unknown_engine_or_mechanism_is_named_by_its_registry() -> None:
         run_engine(ExperimentConfig().with_overrides(["run.engine=flwr"]))
     with pytest.raises(ValueError, match=r"unknown mechanism 'igppp'.*did you mean 'igpp'"):
         preflight(ExperimentConfig().with_overrides(["privacy.mechanism=igppp"]))
+
+
+# ----- tests follow the source layout ------------------------------------------------------------
+TESTS = Path(__file__).resolve().parent
+# behaviour across modules: whole runs under faults, the engines' parity, real images through
+# every loader, the examples, the installed package and this file
+CROSS_CUTTING = {
+    "test_architecture",
+    "test_examples",
+    "test_packaging",
+    "engine/test_faults",
+    "engine/flower/test_engine",
+    "data/test_real_images",
+}
+
+
+def test_every_test_module_names_the_source_module_it_tests() -> None:
+    """``tests/<package>/test_<module>.py`` tests ``src/protofl/<package>/<module>.py``."""
+    orphans = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        rel = path.relative_to(TESTS).with_suffix("")
+        key = rel.as_posix()
+        source = SRC.joinpath(*rel.parts[:-1], rel.name.removeprefix("test_") + ".py")
+        if key not in CROSS_CUTTING and not source.is_file():
+            orphans.append(key)
+    assert not orphans, f"test modules without a source module of that name: {orphans}"
+    missing = sorted(c for c in CROSS_CUTTING if not (TESTS / f"{c}.py").is_file())
+    assert not missing, f"CROSS_CUTTING names test modules that do not exist: {missing}"

@@ -32,9 +32,11 @@ products sum in different orders): parameters after a few rounds within ``atol=1
 pre-activation within ~1e-7 of zero can land on different sides in the two modes; that client
 then differs by O(learning rate).
 
-Besides ``train`` (called by ``Simulation.train_active``) the trainer offers batched versions of
-the engine's ``collect_uploads``, ``evaluate`` and ``evaluate_holdout`` (same results; see their
-docs) and :class:`FrozenParameterPool` (one copy of identical frozen parameters).
+Besides ``train`` (called by ``Simulation.train_active``) the trainer offers ``features_many``
+(every client's upload features at once; the simulation's one upload loop releases them) and
+batched versions of the engine's ``evaluate`` and ``evaluate_holdout`` (same results; see their
+docs), and :class:`FrozenParameterPool` (one copy of identical frozen parameters).  It computes;
+it never calls back into the simulation's round.
 
 Only the default :class:`~protofl.models.client.ClientModel` (pooled features, residual adapter,
 projection, linear or MLP head) is batched; other models, optimizers or methods make
@@ -56,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from protofl.methods.objectives import LocalObjective, Step, nearest_prototype
+from protofl.methods.objectives import Group, LocalObjective, Step, nearest_prototype
 from protofl.models.client import ClientModel, ResidualAdapter
 from protofl.privacy.dcr import distillation, ema_, soft_clip
 
@@ -651,7 +653,10 @@ class BatchedTrainer:
         dcr_steps = torch.tensor([c.dcr.steps for c in clients]) if dcr is not None else None
         # the method's declared terms, prepared once for the group (prototype table, anchors)
         prepared = objective.prepare(
-            sim.global_state, [c.state for c in clients], sim.data.num_classes
+            sim.global_state,
+            Group(
+                [c.state for c in clients], [c.data.domain for c in clients], sim.data.num_classes
+            ),
         )
         has_param_terms = bool(objective.param_terms)
         loss_sum = torch.zeros(m, dtype=torch.float64)
@@ -889,13 +894,6 @@ class BatchedTrainer:
         if self.shared_proj is not None:
             return F.linear(a, *self.shared_proj)
         return torch.baddbmm(w["proj.bias"].unsqueeze(1), a, w["proj.weight"].transpose(1, 2))
-
-    def collect_uploads(self, active: Sequence[bool] | None = None) -> list[Any]:
-        """:meth:`Simulation.collect_uploads` with batched features (:meth:`features_many`)
-        and the mechanism's vectorised release: the same uploads, releases, ledger entries,
-        diagnostics, poisoned uploads and ``sim.releases`` row, through the simulation's one
-        upload loop (:meth:`Simulation.upload`)."""
-        return self.sim.upload(active, self.features_many, vectorise=True)  # type: ignore[no-any-return]
 
     @torch.no_grad()
     def predict_many(self, clients: Sequence[Client], z: torch.Tensor) -> torch.Tensor:

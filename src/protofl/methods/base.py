@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from protofl.methods.objectives import (
+    Group,
     LocalObjective,
     Step,
     nearest_prototype,
@@ -197,7 +198,7 @@ class Method:
             ok=torch.ones(1, len(batch.y), dtype=torch.bool),
             params=params,
         )
-        prepared = objective.prepare(global_state, [state], self.num_classes)
+        prepared = objective.prepare(global_state, Group([state], [batch.domain], self.num_classes))
         return objective.loss(step, prepared, slice(0, 1))[0]
 
     # ----- server side ----------------------------------------------------------------------

@@ -4,7 +4,8 @@ Mechanics (finite and falling loss, determinism, state round-trips, upload shape
 
 * the server's state depends on the uploads (a server that ignores them fails);
 * a method whose global state is keyed by domain keeps the uploads' domains (permuting the
-  domains of the uploads changes the global state);
+  domains of the uploads changes the global state, and every (class, domain) row published
+  under ``domains`` points along what that domain uploaded);
 * the prototype terms pull a client's features toward the targets the server sent: the part of
   the loss gradient that the global prototypes cause points from the features to them;
 * a method that declares a batched objective gives the same run batched and client by client.
@@ -228,6 +229,8 @@ def check_semantics(sim: Any, what: str) -> None:
         assert _differs(split, swapped), (
             f"{what}: the global state does not keep the uploads' domains"
         )
+        if "domains" in split:  # a state keyed by domain says which domain each row came from
+            _assert_domains_kept(split, t, domains[0], what)
     # the prototype terms: the gradient the targets cause points from the features to them
     client = sim.clients[0]
     y = client.data.train_y[:64]
@@ -237,6 +240,19 @@ def check_semantics(sim: Any, what: str) -> None:
         f"{what}: the prototype terms do not pull features toward their targets "
         f"(alignment {float(toward):.3g})"
     )
+
+
+def _assert_domains_kept(
+    state: dict[str, torch.Tensor], t: torch.Tensor, flipped: int, what: str
+) -> None:
+    """Every (class, domain) row of ``state`` points along what that domain uploaded for that
+    class: ``-t[c]`` from domain ``flipped``, ``+t[c]`` from the others."""
+    for proto, c, d in zip(state["prototypes"], state["classes"].tolist(), state["domains"]):
+        sign = -1.0 if int(d) == flipped else 1.0
+        assert float(proto.double() @ (sign * t[c]).double()) > 0, (
+            f"{what}: the global prototype of class {c}, domain {int(d)} is not built from "
+            "that domain's uploads"
+        )
 
 
 def check_batched_agrees(config: ExperimentConfig, sequential: list[Any], what: str) -> None:

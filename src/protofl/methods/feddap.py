@@ -15,12 +15,14 @@ covered by the prototype LDP guarantee (FedDAP under VPDR's setting).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from protofl.methods.base import METHOD_REGISTRY, Batch, ClientState, GlobalState, Method, Upload
+from protofl.methods.base import METHOD_REGISTRY, ClientState, GlobalState, Method, Upload
+from protofl.methods.objectives import Group, LocalObjective, Step, Term
 from protofl.models.client import ClientModel
 
 
@@ -80,44 +82,129 @@ def domain_prototypes(
     }
 
 
+# ----- the local objective's kernels (leading client dimension k, see methods.objectives) ------
+def own_domain_tables(
+    gs: GlobalState, domains: Sequence[int], num_classes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per client, the prototype table of its own domain [k, C, d] and which classes have
+    one [k, C]."""
+    protos, classes = gs["prototypes"], gs["classes"]
+    table = torch.zeros(len(domains), num_classes, protos.shape[1], dtype=protos.dtype)
+    has = torch.zeros(len(domains), num_classes, dtype=torch.bool)
+    for i, domain in enumerate(domains):
+        own = gs["domains"] == domain
+        table[i, classes[own]] = protos[own]
+        has[i, classes[own]] = True
+    return table, has
+
+
+def dpa_kernel(
+    f: torch.Tensor, y: torch.Tensor, ok: torch.Tensor, table: torch.Tensor, has: torch.Tensor
+) -> torch.Tensor:
+    """FedDAP Eq. (6) per client [k]: ``1 - mean_i cos(f_i, G_{y_i, d})`` over the valid
+    samples whose own-domain prototype exists (0 for a client with none); ``f`` [k, b, d],
+    ``table`` [k, C, d], ``has`` [k, C]."""
+    hit = ok & torch.gather(has, 1, y)
+    target = torch.gather(table.to(f.dtype), 1, y.unsqueeze(-1).expand(-1, -1, f.shape[-1]))
+    cos = F.cosine_similarity(f, target, dim=-1)
+    n = hit.sum(dim=1)
+    mean = (cos * hit.to(cos.dtype)).sum(dim=1) / n.clamp_min(1).to(cos.dtype)
+    return torch.where(n > 0, 1.0 - mean, torch.zeros_like(mean))
+
+
+def cpcl_kernel(
+    f: torch.Tensor,
+    y: torch.Tensor,
+    ok: torch.Tensor,
+    protos: torch.Tensor,
+    classes: torch.Tensor,
+    other: torch.Tensor,
+    tau: float,
+) -> torch.Tensor:
+    """FedDAP Eq. (7-8) per client [k]: per sample
+    ``-log(sum_{P+} e^{cos/tau} / sum_{P+ u P-} e^{cos/tau})`` over the prototypes of the
+    *other* domains (``other`` [k, K] marks them per client), positives of the sample's class,
+    negatives of the others.  A sample with no positive or no negative contributes 0; the sum
+    is divided by the client's batch size B (Eq. 8's 1/B)."""
+    logits = F.normalize(f, dim=-1) @ F.normalize(protos.to(f.dtype), dim=-1).T / tau  # [k,b,K]
+    same = classes[None, None, :] == y.unsqueeze(-1)
+    usable = other.unsqueeze(1)
+    pos, neg = same & usable, ~same & usable
+    valid = pos.any(dim=-1) & neg.any(dim=-1) & ok
+    # a finite floor instead of -inf: rows left out by ``valid`` keep finite gradients (zeroed)
+    low = torch.finfo(logits.dtype).min
+    log_all = torch.logsumexp(logits.masked_fill(~usable, low), dim=-1)
+    log_pos = torch.logsumexp(logits.masked_fill(~pos, low), dim=-1)
+    per = torch.where(valid, log_all - log_pos, torch.zeros_like(log_all))
+    return per.sum(dim=1) / ok.sum(dim=1).clamp_min(1).to(per.dtype)
+
+
+def _one(f: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return f.unsqueeze(0), y.unsqueeze(0), torch.ones(1, len(y), dtype=torch.bool)
+
+
 def dpa_loss(
     f: torch.Tensor, y: torch.Tensor, domain: int, gs: GlobalState, num_classes: int
 ) -> torch.Tensor:
-    """FedDAP Eq. (6): ``1 - mean_i cos(f_i, G_{y_i, d})`` over samples whose own-domain
-    prototype exists (0 when none has one)."""
-    own = gs["domains"] == domain
-    table = torch.zeros(num_classes, f.shape[1], dtype=f.dtype)
-    has = torch.zeros(num_classes, dtype=torch.bool)
-    table[gs["classes"][own]] = gs["prototypes"][own].to(f.dtype)
-    has[gs["classes"][own]] = True
-    mask = has[y]
-    if not mask.any():
-        return f.sum() * 0.0
-    return 1.0 - F.cosine_similarity(f[mask], table[y[mask]], dim=1).mean()
+    """FedDAP Eq. (6) for one client's batch (:func:`dpa_kernel` with k = 1)."""
+    table, has = own_domain_tables(gs, [domain], num_classes)
+    return dpa_kernel(*_one(f, y), table, has)[0]
 
 
 def cpcl_loss(
     f: torch.Tensor, y: torch.Tensor, domain: int, gs: GlobalState, tau: float
 ) -> torch.Tensor:
-    """FedDAP Eq. (7-8): per sample ``-log(sum_{P+} e^{cos/tau} / sum_{P+ u P-} e^{cos/tau})``.
+    """FedDAP Eq. (7-8) for one client's batch (:func:`cpcl_kernel` with k = 1)."""
+    other = (gs["domains"] != domain).unsqueeze(0)
+    return cpcl_kernel(*_one(f, y), gs["prototypes"], gs["classes"], other, tau)[0]
 
-    P+ = same-class prototypes of other domains, P- = other-class prototypes of other domains;
-    prototypes of the client's own domain are left out. A sample with no positive or no negative
-    contributes 0; the sum is divided by the batch size B (Eq. 8's 1/B).
-    """
-    other = gs["domains"] != domain
-    if not other.any():
-        return f.sum() * 0.0
-    protos, classes = gs["prototypes"][other].to(f.dtype), gs["classes"][other]
-    logits = F.normalize(f, dim=1) @ F.normalize(protos, dim=1).T / tau  # [B, K]
-    pos = classes[None, :] == y[:, None]
-    valid = pos.any(dim=1) & (~pos).any(dim=1)
-    if not valid.any():
-        return f.sum() * 0.0
-    lg, ps = logits[valid], pos[valid]
-    log_all = torch.logsumexp(lg, dim=1)
-    log_pos = torch.logsumexp(lg.masked_fill(~ps, float("-inf")), dim=1)
-    return (log_all - log_pos).sum() / len(f)
+
+def _domain_state(global_state: GlobalState, group: Group) -> bool:
+    if any(d < 0 for d in group.domains):
+        raise ValueError("feddap: a client has no domain label; FedDAP needs every client's")
+    return bool(global_state) and "domains" in global_state
+
+
+@dataclass(frozen=True)
+class DomainAlignment(Term):
+    """``weight * L_DPA`` (FedDAP Eq. 6): features toward their class's prototype of the
+    client's own domain."""
+
+    weight: float
+
+    def prepare(self, global_state: GlobalState, group: Group) -> Any:
+        if self.weight == 0 or not _domain_state(global_state, group):
+            return None
+        return own_domain_tables(global_state, group.domains, group.num_classes)
+
+    def value(self, step: Step, prepared: Any, rows: slice) -> torch.Tensor:
+        if prepared is None:
+            return torch.zeros(step.y.shape[0], dtype=step.f.dtype)
+        table, has = prepared
+        return self.weight * dpa_kernel(step.f, step.y, step.ok, table[rows], has[rows])
+
+
+@dataclass(frozen=True)
+class CrossDomainContrast(Term):
+    """``weight * L_CPCL`` (FedDAP Eq. 7-8): InfoNCE over the other domains' prototypes."""
+
+    weight: float
+    tau: float
+
+    def prepare(self, global_state: GlobalState, group: Group) -> Any:
+        if self.weight == 0 or not _domain_state(global_state, group):
+            return None
+        domains = torch.tensor(list(group.domains), dtype=torch.long)
+        other = global_state["domains"][None, :] != domains[:, None]
+        return global_state["prototypes"], global_state["classes"], other
+
+    def value(self, step: Step, prepared: Any, rows: slice) -> torch.Tensor:
+        if prepared is None:
+            return torch.zeros(step.y.shape[0], dtype=step.f.dtype)
+        protos, classes, other = prepared
+        return self.weight * cpcl_kernel(
+            step.f, step.y, step.ok, protos, classes, other[rows], self.tau
+        )
 
 
 @METHOD_REGISTRY.register("feddap")
@@ -163,25 +250,20 @@ class FedDAP(Method):
             uploads, fusion=self.params["fusion"], tau_agg=float(self.params["tau_agg"])
         )
 
-    def client_loss(
-        self, batch: Batch, global_state: GlobalState, state: ClientState
-    ) -> torch.Tensor:
+    def objective(self) -> LocalObjective:
         """CE + lambda1 * L_DPA + lambda2 * L_CPCL (Eq. 10)."""
-        if batch.domain < 0:
-            raise ValueError(f"feddap: client {batch.client} has no domain label")
-        loss = F.cross_entropy(batch.logits, batch.y)
-        if not global_state or "domains" not in global_state:
-            return loss
-        lam1, lam2 = float(self.params["lambda1"]), float(self.params["lambda2"])
-        if lam1 > 0:
-            loss = loss + lam1 * dpa_loss(
-                batch.f, batch.y, batch.domain, global_state, self.num_classes
+        p = self.params
+        return LocalObjective(
+            terms=(
+                DomainAlignment(float(p["lambda1"])),
+                CrossDomainContrast(float(p["lambda2"]), float(p["tau_cross"])),
             )
-        if lam2 > 0:
-            loss = loss + lam2 * cpcl_loss(
-                batch.f, batch.y, batch.domain, global_state, float(self.params["tau_cross"])
-            )
-        return loss
+        )
+
+    def prediction(self) -> str | None:
+        """The classifier head; the cosine (class, domain) rule of ``eval: prototype`` is only
+        :meth:`predict`'s (that run trains client by client)."""
+        return "classifier" if self.params["eval"] == "classifier" else None
 
     def predict(
         self, model: ClientModel, z: torch.Tensor, global_state: GlobalState, state: ClientState

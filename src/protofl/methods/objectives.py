@@ -51,6 +51,17 @@ class Step:
     params: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Group:
+    """The clients a term is prepared for, in executor order: their method states
+    (:class:`~protofl.methods.base.ClientState`), their domain labels (-1: none reported) and
+    the number of classes."""
+
+    states: Sequence[Any]
+    domains: Sequence[int]
+    num_classes: int
+
+
 # ----- kernels ---------------------------------------------------------------------------------
 def masked_mean(values: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     """Per-client mean of ``values`` [k, b] over the valid rows ``ok`` [k, b] -> [k]."""
@@ -125,15 +136,16 @@ class Term(ABC):
     """One additive term of a local objective.
 
     ``prepare`` runs once per round and group of clients (the server's broadcast and the
-    clients' method state in, whatever the term needs out); ``value`` gives the term per
-    client [k] for rows ``rows`` of that group.  Parameter terms (``on_params``) also give
-    ``param_grad``, the closed-form gradient the batched executor adds.
+    :class:`Group`: the clients' method states and domains in, whatever the term needs out);
+    ``value`` gives the term per client [k] for rows ``rows`` of that group.  Parameter terms
+    (``on_params``) also give ``param_grad``, the closed-form gradient the batched executor
+    adds.
     """
 
     on_params: bool = False
 
-    def prepare(self, global_state: GlobalState, states: Sequence[Any], num_classes: int) -> Any:
-        """Per-round inputs of the term for these clients' method states (default: none)."""
+    def prepare(self, global_state: GlobalState, group: Group) -> Any:
+        """Per-round inputs of the term for this group of clients (default: none)."""
         return None
 
     @abstractmethod
@@ -154,8 +166,8 @@ class PrototypePull(Term):
 
     weight: float
 
-    def prepare(self, global_state: GlobalState, states: Sequence[Any], num_classes: int) -> Any:
-        return prototype_table(global_state, num_classes) if self.weight != 0 else None
+    def prepare(self, global_state: GlobalState, group: Group) -> Any:
+        return prototype_table(global_state, group.num_classes) if self.weight != 0 else None
 
     def value(self, step: Step, prepared: Any, rows: slice) -> torch.Tensor:
         if prepared is None:
@@ -173,9 +185,10 @@ class Proximal(Term):
     prefix: str
     on_params = True
 
-    def prepare(self, global_state: GlobalState, states: Sequence[Any], num_classes: int) -> Any:
+    def prepare(self, global_state: GlobalState, group: Group) -> Any:
         if self.mu == 0:
             return None
+        states = group.states
         names = [n[len(self.prefix) :] for n in states[0].tensors if n.startswith(self.prefix)]
         return {n: torch.stack([s.tensors[self.prefix + n] for s in states]) for n in names}
 
@@ -211,11 +224,9 @@ class LocalObjective:
         """Terms of the parameters alone (closed-form gradient in the batched executor)."""
         return tuple(t for t in self.terms if t.on_params)
 
-    def prepare(
-        self, global_state: GlobalState, states: Sequence[Any], num_classes: int
-    ) -> list[Any]:
+    def prepare(self, global_state: GlobalState, group: Group) -> list[Any]:
         """Every term's per-round inputs, in term order."""
-        return [t.prepare(global_state, states, num_classes) for t in self.terms]
+        return [t.prepare(global_state, group) for t in self.terms]
 
     def loss(self, step: Step, prepared: Sequence[Any], rows: slice) -> torch.Tensor:
         """Cross-entropy + every term, per client [k] (the per-client loop's whole loss)."""

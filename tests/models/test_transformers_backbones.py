@@ -24,7 +24,7 @@ from protofl.models.transformers_backbones import (
     block_output,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _images(n: int = 6, size: int = 32, seed: int = 0) -> np.ndarray:

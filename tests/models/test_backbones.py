@@ -335,7 +335,7 @@ def test_a_different_option_value_gives_a_different_cache_file(_isolated_home: P
 
 
 # ----------------------------------------------------------------------------- text encoders
-from test_models_transformers import _tiny_bert  # noqa: E402  (tests/ is on sys.path)
+from tests.models.test_transformers_backbones import _tiny_bert  # noqa: E402
 
 
 def test_text_encoder_options_match_the_environment(

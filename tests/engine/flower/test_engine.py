@@ -253,7 +253,7 @@ def test_generated_app_carries_the_config(tmp_path: Path) -> None:
     changed = config_from_run_config(run_config)
     assert (changed.federation.rounds, changed.seed) == (1, 4)
     assert doc["project"]["dependencies"] == [f"flwr{FLWR_RANGE}"]
-    root = tomllib.loads(Path(__file__).parents[1].joinpath("pyproject.toml").read_text())
+    root = tomllib.loads(Path(__file__).parents[3].joinpath("pyproject.toml").read_text())
     extra = root["project"]["optional-dependencies"].get("flower", [])
     assert any(FLWR_RANGE in dep for dep in extra), "keep the extra's flwr range in sync"
     with pytest.raises(FileExistsError):

@@ -67,6 +67,17 @@ class FedDAPWithoutDomains(FedDAP):
         return super().aggregate([replace(u, domain=0) for u in uploads], round_index)
 
 
+class FedDAPSwappedDomains(FedDAP):
+    """FedDAP whose server files every upload under the next domain (the domain sets swapped)."""
+
+    def aggregate(self, uploads: Sequence[Upload], round_index: int) -> GlobalState:
+        from dataclasses import replace
+
+        domains = sorted({u.domain for u in uploads})
+        shift = {d: domains[(i + 1) % len(domains)] for i, d in enumerate(domains)}
+        return super().aggregate([replace(u, domain=shift[u.domain]) for u in uploads], round_index)
+
+
 class BatchedDisagrees(FedProto):
     """Declares FedProto's objective for the batched executor but trains with another one."""
 
@@ -85,6 +96,7 @@ class BatchedDisagrees(FedProto):
         (IgnoresUploads, "does not depend on the uploads"),
         (FPLWithoutPrototypeTerms, "do not pull features toward their targets"),
         (FedDAPWithoutDomains, "does not keep the uploads' domains"),
+        (FedDAPSwappedDomains, "is not built from that domain's uploads"),
         (BatchedDisagrees, "batched and per-client training differ"),
     ],
 )

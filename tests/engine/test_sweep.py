@@ -162,7 +162,7 @@ def test_folder_with_a_different_sweep_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "path",
-    sorted((Path(__file__).resolve().parents[1] / "experiments").glob("*.yaml")),
+    sorted((Path(__file__).resolve().parents[2] / "experiments").glob("*.yaml")),
     ids=lambda p: p.stem,
 )
 def test_every_results_sweep_file_validates(path: Path) -> None:

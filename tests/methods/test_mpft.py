@@ -1,0 +1,49 @@
+"""MPFT: distillation and teacher logits by hand, the server model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from protofl.methods.mpft import distillation_kl, teacher_logits
+from tests.methods.helpers import (
+    make,
+    upload,
+)
+
+
+def test_distillation_kl_by_hand() -> None:
+    t = 2.0
+    teacher = torch.tensor([[t * math.log(3.0), 0.0]])  # softmax(teacher / T) = (3/4, 1/4)
+    student = torch.zeros(1, 2)  # (1/2, 1/2)
+    kl = 0.75 * math.log(1.5) + 0.25 * math.log(0.5)
+    assert distillation_kl(student, teacher, t).item() == pytest.approx(t * t * kl, rel=1e-5)
+    assert distillation_kl(teacher, teacher, t).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_teacher_logits_by_hand() -> None:
+    gs = {
+        "mpft.adapter.down.weight": torch.tensor([[1.0, 0.0]]),  # hidden 1
+        "mpft.adapter.up.weight": torch.tensor([[0.0], [2.0]]),
+        "mpft.head.weight": torch.tensor([[1.0, 0.0], [0.0, 1.0]]),
+        "mpft.head.bias": torch.tensor([0.5, 0.0]),
+    }
+    u = torch.tensor([[3.0, 1.0]])
+    # adapter: u + up(relu(down u)) = (3, 1) + (0, 6) = (3, 7)
+    assert teacher_logits(u, gs, use_adapter=True).tolist() == [[3.5, 7.0]]
+    assert teacher_logits(u, gs, use_adapter=False).tolist() == [[3.5, 1.0]]
+
+
+def test_mpft_server_learns_released_prototypes() -> None:
+    m = make("mpft", {"server_epochs": 200, "server_lr": 0.05}, num_classes=2, dim=4)
+    ups = [
+        upload(0, 0, [[2.0, 0, 0, 0], [0, 2.0, 0, 0]], [0, 1]),
+        upload(1, 1, [[2.0, 0.2, 0, 0], [0.2, 2.0, 0, 0]], [0, 1]),
+    ]
+    gs = m.aggregate(ups, 0)
+    x = torch.cat([u.release.prototypes for u in ups if u.release is not None])
+    assert teacher_logits(x, gs, use_adapter=True).argmax(1).tolist() == [0, 1, 0, 1]
+    with pytest.raises(ValueError, match="teacher"):
+        make("mpft", {"teacher": "ensemble"})
