@@ -14,6 +14,7 @@ import yaml
 from protofl.cli import main
 from protofl.config import ConfigError, DataConfig, ExperimentConfig
 from protofl.engine.rundir import RECORD, check_resume, flatten, write_record
+from protofl.methods import create_method
 from protofl.presets import PRESETS, preset_settings
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "methods.md"
@@ -157,6 +158,9 @@ FEDDAP_METHODS = {
     "fpl": {"temperature": 0.02},
     "fedplvm": {"tau": 0.07, "alpha": 0.25, "lam": 100.0},
 }
+# Sec. 4.1 "Baselines": FedProto "(with parameter averaging)", FPL and FedPLVM in their own
+# papers' weight-averaged forms (FedDAP compares one global model against global models)
+FEDDAP_WEIGHT_AVERAGED = ("fedproto", "fpl", "fedplvm")
 
 
 def test_feddap_preset_is_the_papers_protocol() -> None:
@@ -166,6 +170,13 @@ def test_feddap_preset_is_the_papers_protocol() -> None:
     for method, params in FEDDAP_METHODS.items():
         got = resolved("feddap", f"method.name={method}")
         assert_values(got, {f"method.params.{k}": v for k, v in params.items()}, method)
+    for method in FEDDAP_WEIGHT_AVERAGED:
+        assert resolved("feddap", f"method.name={method}")["method.params.share_weights"] is True
+        # under VPDR the same methods are personalised (prototypes only)
+        vpdr = ExperimentConfig().with_overrides(["preset=vpdr", f"method.name={method}"])
+        assert not create_method(
+            method, vpdr.method.params, num_classes=2, num_domains=1, proto_dim=2
+        ).shares_weights
     # MOON's mu is tuned in {0.5, 1, 5, 10} (Supp. 6.1); the preset takes a value from that set
     assert resolved("feddap", "method.name=moon")["method.params.mu"] in (0.5, 1.0, 5.0, 10.0)
 

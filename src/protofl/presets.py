@@ -125,7 +125,7 @@ VPDR = Preset(
     },
     methods={
         # Table 8 (values the table does not give: the method's own paper, or the VPDR code)
-        "fedproto": {"lam": 0.1},
+        "fedproto": {"lam": 0.1},  # personalised (share_weights off by default)
         "fedpcl": {"tau": 0.07},
         "fpl": {"temperature": 0.07, "w_contrast": 1.0, "w_mse": 1.0, "share_weights": False},
         "fedplvm": {"alpha": 0.25, "tau": 0.07, "lam": 0.5, "share_weights": False},
@@ -222,7 +222,9 @@ FEDDAP = Preset(
         # Supp. 6.1
         "fedprox": {"mu": 0.001},
         "moon": {"mu": 5.0, "temperature": 0.5},  # tuned in {0.5, 1, 5, 10}: RethinkFL's pick
-        "fedproto": {"lam": 1.0},
+        # Sec. 4.1: "FedProto (with parameter averaging)"; FPL and FedPLVM average weights in
+        # their own papers, and FedDAP compares global models
+        "fedproto": {"lam": 1.0, "share_weights": True},
         "fpl": {"temperature": 0.02, "w_contrast": 1.0, "w_mse": 1.0, "share_weights": True},
         "fedplvm": {"tau": 0.07, "alpha": 0.25, "lam": 100.0, "share_weights": True},
     },

@@ -71,3 +71,52 @@ def test_prototype_evaluation_uses_nearest_global_prototype() -> None:
 
 
 # every registered method x mechanism: tests/test_methods_checks.py
+
+
+# ----- share_weights: FedProto "with parameter averaging" (FedDAP Sec. 4.1) ----------------------
+@pytest.mark.parametrize("bad", [1, "true", None])
+def test_share_weights_must_be_a_bool(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"fedproto\.share_weights=.* must be a bool") as err:
+        create_method("fedproto", {"share_weights": bad}, num_classes=2, num_domains=1, proto_dim=2)
+    assert "\n" not in str(err.value)
+
+
+def test_share_weights_turns_weight_averaging_on() -> None:
+    off = create_method("fedproto", {}, num_classes=2, num_domains=1, proto_dim=2)
+    assert off.params["share_weights"] is False and not off.shares_weights
+    on = create_method(
+        "fedproto", {"share_weights": True}, num_classes=2, num_domains=1, proto_dim=2
+    )
+    assert on.shares_weights
+    # the aggregation and the objective do not change: only the engine's weight averaging does
+    assert on.objective() == off.objective()
+
+
+def test_weight_averaged_run_differs_from_the_personalised_one() -> None:
+    from protofl.methods.checks import _run, tiny_config
+
+    def run(share: bool) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+        sim, hist = _run(
+            tiny_config(
+                "fedproto", "none", {"share_weights": share}, rounds=2, clients_per_domain=2
+            )
+        )
+        states = [
+            {k: v.detach().clone() for k, v in c.model.state_dict().items()} for c in sim.clients
+        ]
+        return states, [h.avg_acc for h in hist] + [h.train_loss for h in hist]
+
+    personal, personal_metrics = run(False)
+    averaged, averaged_metrics = run(True)
+    # averaged: every client ends the round with the same trainable weights
+    for state in averaged[1:]:
+        assert all(torch.equal(state[k], averaged[0][k]) for k in state)
+    # personalised: the clients' weights stay their own
+    assert any(not torch.equal(personal[1][k], personal[0][k]) for k in personal[0])
+    assert averaged_metrics != personal_metrics
+
+
+def test_weight_averaged_fedproto_passes_the_conformance_suite() -> None:
+    from protofl.methods.checks import check_method
+
+    check_method("fedproto", "igpp", {"share_weights": True})

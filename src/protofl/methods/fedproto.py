@@ -31,6 +31,9 @@ class FedProto(Method):
 
     ``weighting``: ``counts`` (default: per-class counts over the clients that have the class)
     or ``uniform`` (the original FedProto code's unweighted mean over clients).
+    ``share_weights``: false (default: prototypes only, the personalised form VPDR uses) or true
+    (the engine also FedAvg-averages the trainable weights after each round: FedProto "with
+    parameter averaging", as FedDAP Sec. 4.1 compares it; outside the prototype LDP guarantee).
     """
 
     name = "fedproto"
@@ -39,11 +42,12 @@ class FedProto(Method):
         "weighting": "counts",
         "aggregation": "mean",
         "trim_ratio": 0.25,
+        "share_weights": False,
     }
     eval_modes = ("classifier", "prototype")
 
     def validate(self) -> None:
-        """``lam`` >= 0; ``weighting`` in counts|uniform."""
+        """``lam`` >= 0; ``weighting`` in counts|uniform; ``share_weights`` a bool."""
         if not float(self.params["lam"]) >= 0:
             raise ValueError(f"fedproto.lam={self.params['lam']!r} must be >= 0")
         if self.params["weighting"] not in ("counts", "uniform"):
@@ -59,6 +63,11 @@ class FedProto(Method):
             raise ValueError(
                 f"fedproto.trim_ratio={self.params['trim_ratio']!r} must be in [0, 0.5)"
             )
+        if not isinstance(self.params["share_weights"], bool):
+            raise ValueError(
+                f"fedproto.share_weights={self.params['share_weights']!r} must be a bool"
+            )
+        self.shares_weights = self.params["share_weights"]
 
     def aggregate(self, uploads: Sequence[Upload], round_index: int) -> GlobalState:
         """Per-class mean of the uploaded prototypes over the clients that have the class."""
