@@ -76,7 +76,9 @@ class FedPLVM(Method):
     Parameters: ``lam`` (0.5), ``alpha`` (0.25), ``tau`` (0.07), ``contrast``
     (``multi_positive`` | ``supcon``), ``correction`` (``mse`` | ``abs_sum``), ``local_clustering``
     (true: FINCH per class on the client; false: one class mean), ``metric`` (``cosine``),
-    ``share_weights`` (false), ``eval`` (``classifier`` | ``prototype``).
+    ``finch_early_exit`` (false; true: finch-clust's current ``ensure_early_exit`` default, on
+    the client and on the server), ``share_weights`` (false), ``eval`` (``classifier`` |
+    ``prototype``).
     """
 
     name = "fedplvm"
@@ -88,6 +90,7 @@ class FedPLVM(Method):
         "correction": "mse",
         "local_clustering": True,
         "metric": "cosine",
+        "finch_early_exit": False,
         "share_weights": False,
     }
     eval_modes = ("classifier", "prototype")
@@ -107,14 +110,16 @@ class FedPLVM(Method):
             raise ValueError(f"fedplvm.correction={p['correction']!r}; choose mse or abs_sum")
         if p["metric"] not in ("cosine", "euclidean"):
             raise ValueError(f"fedplvm.metric={p['metric']!r}; choose cosine or euclidean")
-        for key in ("local_clustering", "share_weights"):
+        for key in ("local_clustering", "finch_early_exit", "share_weights"):
             if not isinstance(p[key], bool):
                 raise ValueError(f"fedplvm.{key}={p[key]!r} must be a bool")
         self.shares_weights = p["share_weights"]
 
     def cluster_fn(self) -> ClusterFn | None:
         """Local FINCH (coarsest partition) on one class's clipped features."""
-        return finch_cluster_fn(self.params["metric"]) if self.params["local_clustering"] else None
+        if not self.params["local_clustering"]:
+            return None
+        return finch_cluster_fn(self.params["metric"], self.params["finch_early_exit"])
 
     def aggregate(self, uploads: Sequence[Upload], round_index: int) -> GlobalState:
         """Per-class FINCH over all uploaded centres -> global cluster prototypes, class means."""

@@ -16,6 +16,16 @@ one class's clipped features, server-side clustering of the uploaded centres). B
 *coarsest* partition that still has two clusters or more (:func:`coarsest_partition`); the
 reference implementation drops the final all-in-one level in the same way.
 
+Early exit (``early_exit=True``; the reference code's ``ensure_early_exit``). The reference
+``FINCH`` can cut, at every level after the first, each link whose weighted distance exceeds the
+largest weighted distance of a first-level link (``min_sim``). Its weights are the entries of its
+adjacency ``(A + I)(A + I)^T`` (off the diagonal): 2 for a mutual first-neighbour pair, 1 for a
+one-way link or two points sharing a first neighbour (the ``kappa_i = kappa_j`` case of Eq. 1).
+The recursion then stops when a level merges nothing (that level is dropped) or merges exactly one
+pair of clusters (that level is kept and is the last). Without early exit (the default, and the
+paper's algorithm) nothing is cut, and a level merges at least half the clusters, so neither stop
+can happen before the all-in-one level.
+
 Deterministic: ties in the nearest-neighbour search go to the lowest index, and labels are
 numbered in order of first appearance.
 """
@@ -69,6 +79,58 @@ def _components(nbr: torch.Tensor) -> torch.Tensor:
     return relabel(torch.from_numpy(labels.astype(np.int64)))
 
 
+def _pair_distance(x: torch.Tensor, i: torch.Tensor, j: torch.Tensor, metric: str) -> torch.Tensor:
+    """Distance between rows ``x[i[k]]`` and ``x[j[k]]`` for every k (the metric of
+    :func:`first_neighbours`; ``x`` already normalised for ``cosine``)."""
+    if metric == "cosine":
+        return 1.0 - (x[i] * x[j]).sum(dim=1)
+    return (x[i] - x[j]).norm(dim=1)
+
+
+def _weighted_links(
+    x: torch.Tensor, nbr: torch.Tensor, metric: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every linked pair of Eq. 1 once, ``(i, j, weight * distance)``.
+
+    Links: ``j = kappa_i`` (weight 2 when also ``kappa_j = i``, else 1) and ``kappa_i = kappa_j``
+    (weight 1), the off-diagonal entries of the reference code's ``(A + I)(A + I)^T``.
+    """
+    n = nbr.shape[0]
+    xd = x.to(torch.float64)
+    if metric == "cosine":
+        xd = xd / xd.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    src = torch.arange(n)
+    mutual = nbr[nbr] == src
+    keep = ~mutual | (src < nbr)  # a mutual pair once
+    i, j = src[keep], nbr[keep]
+    weight = torch.where(mutual[keep], 2.0, 1.0).to(torch.float64)
+    rows, cols, weights = [i], [j], [weight]
+    order = torch.argsort(nbr, stable=True)
+    groups = torch.unique_consecutive(nbr[order], return_counts=True)[1]
+    for members in torch.split(order, groups.tolist()):
+        if members.numel() > 1:  # points sharing a first neighbour
+            a, b = torch.triu_indices(members.numel(), members.numel(), offset=1)
+            rows.append(members[a])
+            cols.append(members[b])
+            weights.append(torch.ones(a.numel(), dtype=torch.float64))
+    i, j, w = torch.cat(rows), torch.cat(cols), torch.cat(weights)
+    return i, j, w * _pair_distance(xd, i, j, metric)
+
+
+def _pruned_components(
+    x: torch.Tensor, nbr: torch.Tensor, metric: str, min_sim: float
+) -> torch.Tensor:
+    """Connected components of the Eq. 1 links whose weighted distance is at most ``min_sim``."""
+    n = nbr.shape[0]
+    i, j, wd = _weighted_links(x, nbr, metric)
+    kept = wd <= min_sim
+    graph = sp.csr_matrix(
+        (np.ones(int(kept.sum())), (i[kept].numpy(), j[kept].numpy())), shape=(n, n)
+    )
+    _, labels = connected_components(graph, directed=True, connection="weak")
+    return relabel(torch.from_numpy(labels.astype(np.int64)))
+
+
 def relabel(labels: torch.Tensor) -> torch.Tensor:
     """Renumber cluster ids 0..k-1 in order of first appearance (a canonical form)."""
     labels = labels.to(torch.long)
@@ -97,13 +159,18 @@ def segment_sum(x: torch.Tensor, index: torch.Tensor, k: int) -> torch.Tensor:
     return torch.zeros(k, x.shape[1], dtype=x.dtype).index_put_((index,), x, accumulate=True)
 
 
-def finch(x: torch.Tensor, metric: str = "cosine") -> list[torch.Tensor]:
+def finch(x: torch.Tensor, metric: str = "cosine", early_exit: bool = False) -> list[torch.Tensor]:
     """All FINCH partitions of the rows of ``x``, finest first.
 
     Returns a list of label vectors ([n] int64, ids 0..k-1 in order of first appearance). Every
     level has at most half the clusters of the one before. The recursion stops at one cluster
     (that trivial level is included when reached, so ``finch(x)[-1]`` may be all zeros; see
     :func:`coarsest_partition`). ``n == 0`` gives ``[]``, ``n == 1`` gives ``[tensor([0])]``.
+
+    ``early_exit``: the reference code's ``ensure_early_exit`` (module docstring): links longer
+    than the first level's longest are cut, and the recursion stops at a level that merges
+    nothing (dropped) or exactly one pair (kept, the last). A level then has fewer clusters than
+    the one before, but not necessarily half as many.
     """
     if metric not in METRICS:
         raise ValueError(f"finch: metric={metric!r}; choose one of {', '.join(METRICS)}")
@@ -117,28 +184,41 @@ def finch(x: torch.Tensor, metric: str = "cosine") -> list[torch.Tensor]:
     if n == 1:
         return [torch.zeros(1, dtype=torch.long)]
     xd = x.detach().to(torch.float64)
-    labels = _components(first_neighbours(xd, metric))
+    nbr = first_neighbours(xd, metric)
+    labels = _components(nbr)
     levels = [labels]
+    min_sim = None
+    if early_exit and n > 2:  # the longest first-level link (the reference skips n <= 2)
+        min_sim = float(_weighted_links(xd, nbr, metric)[2].max())
     k = int(labels.max()) + 1
     while k > 1:
         means = cluster_means(xd, labels)
-        merge = _components(first_neighbours(means, metric))
+        nbr = first_neighbours(means, metric)
+        if min_sim is None:
+            merge = _components(nbr)
+        else:
+            merge = _pruned_components(means, nbr, metric, min_sim)
         new_k = int(merge.max()) + 1
-        if new_k >= k:  # cannot happen for k >= 2 (every node has an edge), kept as a guard
+        if new_k >= k:  # without early exit this cannot happen (every node has an edge)
             break
         labels = relabel(merge[labels])
         levels.append(labels)
+        if early_exit and k - new_k == 1:  # the reference stops after merging a single pair
+            break
         k = new_k
     return levels
 
 
-def coarsest_partition(x: torch.Tensor, metric: str = "cosine") -> torch.Tensor:
+def coarsest_partition(
+    x: torch.Tensor, metric: str = "cosine", early_exit: bool = False
+) -> torch.Tensor:
     """The coarsest FINCH partition with at least two clusters, if FINCH finds one.
 
     Otherwise (the first level is already a single cluster, which is always the case for
-    ``n <= 2``) all points form cluster 0. This is the partition FPL and FedPLVM use.
+    ``n <= 2``) all points form cluster 0. This is the partition FPL and FedPLVM use (the
+    reference code's last column, ``c[:, -1]``); ``early_exit`` as in :func:`finch`.
     """
-    levels = finch(x, metric)
+    levels = finch(x, metric, early_exit)
     if not levels:
         return torch.zeros(0, dtype=torch.long)
     for labels in reversed(levels):
@@ -147,29 +227,33 @@ def coarsest_partition(x: torch.Tensor, metric: str = "cosine") -> torch.Tensor:
     return levels[0]
 
 
-def finch_cluster_fn(metric: str = "cosine") -> ClusterFn:
+def finch_cluster_fn(metric: str = "cosine", early_exit: bool = False) -> ClusterFn:
     """A :data:`ClusterFn` for mechanisms: one class's clipped features -> coarsest partition."""
 
     def fn(features: torch.Tensor) -> torch.Tensor:
-        return coarsest_partition(features, metric)
+        return coarsest_partition(features, metric, early_exit)
 
     return fn
 
 
 def cluster_per_class(
-    prototypes: torch.Tensor, classes: torch.Tensor, metric: str = "cosine"
+    prototypes: torch.Tensor,
+    classes: torch.Tensor,
+    metric: str = "cosine",
+    early_exit: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Server-side FINCH per class: the coarsest-partition cluster means of each class's vectors.
 
     Returns ``(centres [Q, d], centre_classes [Q])`` ordered by class, then cluster id. A class
     with one or two vectors gives one centre, their plain mean (FINCH links two points to each
-    other). Means are unweighted, as in FPL's and FedPLVM's server aggregation.
+    other). Means are unweighted, as in FPL's and FedPLVM's server aggregation. ``early_exit`` as
+    in :func:`finch`.
     """
     centres: list[torch.Tensor] = []
     owners: list[int] = []
     for c in torch.unique(classes).tolist():
         members = prototypes[classes == c]
-        labels = coarsest_partition(members, metric)
+        labels = coarsest_partition(members, metric, early_exit)
         means = cluster_means(members.to(torch.float64), labels).to(prototypes.dtype)
         centres.append(means)
         owners.extend([c] * means.shape[0])

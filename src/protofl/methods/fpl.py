@@ -101,7 +101,8 @@ def report_missing(method: Method, classes: torch.Tensor) -> None:
 
 
 def cluster_aggregate(method: Method, uploads: Sequence[Upload]) -> GlobalState:
-    """Per-class FINCH (``method.params["metric"]``) over all uploaded prototypes.
+    """Per-class FINCH (``method.params["metric"]`` and ``["finch_early_exit"]``) over all
+    uploaded prototypes.
 
     Returns the cluster prototypes and their classes (``cluster_prototypes``,
     ``cluster_classes``) and the per-class mean of the cluster prototypes (``prototypes``,
@@ -111,7 +112,9 @@ def cluster_aggregate(method: Method, uploads: Sequence[Upload]) -> GlobalState:
     if protos.numel() == 0:
         report_missing(method, classes)
         return {}
-    centres, owners = cluster_per_class(protos, classes, method.params["metric"])
+    centres, owners = cluster_per_class(
+        protos, classes, method.params["metric"], method.params["finch_early_exit"]
+    )
     present = torch.unique(owners)
     means = torch.stack([centres[owners == c].mean(dim=0) for c in present.tolist()])
     report_missing(method, present)
@@ -154,8 +157,9 @@ class FPL(Method):
     """Cluster prototypes (server FINCH) + unbiased prototypes; CE + CPCL InfoNCE + UPCR MSE.
 
     Parameters: ``w_contrast`` (1.0), ``w_mse`` (1.0), ``temperature`` (0.02), ``metric``
-    (``cosine`` FINCH distance), ``share_weights`` (false), ``eval`` (``classifier`` or
-    ``prototype``: nearest cluster prototype by cosine).
+    (``cosine`` FINCH distance), ``finch_early_exit`` (false: FPL's code calls FINCH with
+    ``ensure_early_exit=False``; true: finch-clust's current default), ``share_weights``
+    (false), ``eval`` (``classifier`` or ``prototype``: nearest cluster prototype by cosine).
     """
 
     name = "fpl"
@@ -164,12 +168,13 @@ class FPL(Method):
         "w_mse": 1.0,
         "temperature": 0.02,
         "metric": "cosine",
+        "finch_early_exit": False,
         "share_weights": False,
     }
     eval_modes = ("classifier", "prototype")
 
     def validate(self) -> None:
-        """Weights >= 0, temperature > 0, metric cosine|euclidean, share_weights a bool."""
+        """Weights >= 0, temperature > 0, metric cosine|euclidean, the flags bools."""
         for key in ("w_contrast", "w_mse"):
             if not is_number(self.params[key]) or not float(self.params[key]) >= 0:
                 raise ValueError(f"fpl.{key}={self.params[key]!r} must be a number >= 0")
@@ -178,8 +183,9 @@ class FPL(Method):
             raise ValueError(f"fpl.temperature={t!r} must be a number > 0")
         if self.params["metric"] not in ("cosine", "euclidean"):
             raise ValueError(f"fpl.metric={self.params['metric']!r}; choose cosine or euclidean")
-        if not isinstance(self.params["share_weights"], bool):
-            raise ValueError(f"fpl.share_weights={self.params['share_weights']!r} must be a bool")
+        for key in ("finch_early_exit", "share_weights"):
+            if not isinstance(self.params[key], bool):
+                raise ValueError(f"fpl.{key}={self.params[key]!r} must be a bool")
         self.shares_weights = self.params["share_weights"]
 
     def aggregate(self, uploads: Sequence[Upload], round_index: int) -> GlobalState:
