@@ -141,3 +141,12 @@ def test_bad_input_leaves_no_folder_and_one_line(
     assert f"config file {tmp_path / 'binary.yaml'} is not a text (YAML) file" in (
         capsys.readouterr().err
     )
+
+
+def test_resume_on_another_engine_is_refused_in_one_line(
+    finished: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", "--resume", str(finished), "--engine", "flower"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "made by the 'sim' engine" in err and "not on the 'flower' engine" in err

@@ -169,3 +169,120 @@ def test_noisy_add_remove_counts_are_accepted_and_weight_the_average(tmp_path: P
     for c, release in zip(sim.clients, sim.releases[-1]):
         assert release is not None
         assert sim.public_count(c) == int(release.counts.sum()) != c.data.num_train
+
+
+# ----- extending a finished run ---------------------------------------------------------------
+def _accountant_epsilon(sigma: float, releases: int, delta: float) -> float:
+    from protofl.privacy.accounting import epsilon_spent
+
+    events = [{"kind": "gaussian", "noise_multiplier": sigma}] * releases
+    return epsilon_spent(events, delta=delta, accountant="pld")
+
+
+def test_extending_a_finished_run_composes_every_release_and_says_so(tmp_path: Path) -> None:
+    from protofl.engine.runner import extend_experiment
+
+    config = _toy(2, **{"privacy.mechanism": "igpp", "privacy.epsilon": "1"})
+    first = run_experiment(config, out=tmp_path)
+    run_dir = first.run_dir
+    config_text = (run_dir / "config.yaml").read_text()
+    sigma, delta = first.summary["privacy"]["sigma"], first.summary["privacy"]["delta"]
+    original = max(first.summary["privacy"]["epsilon_spent"].values())
+    assert original <= 1.0
+
+    result = extend_experiment(run_dir, 2, progress=False)
+    privacy = result.summary["privacy"]
+    total = _accountant_epsilon(sigma, 4, delta)  # T + N = 4 releases at the calibrated sigma
+    assert privacy["epsilon"] == pytest.approx(total, rel=1e-9) and total > 1.0 > 0
+    assert all(e == pytest.approx(total, rel=1e-9) for e in privacy["epsilon_spent"].values())
+    assert privacy["sigma"] == sigma  # the noise is what was calibrated, not recalibrated
+    assert privacy["calibrated"] == {
+        "mechanism": "igpp",
+        "epsilon": 1.0,
+        "delta": delta,
+        "rounds": 2,
+        "accountant": "pld",
+    }
+    statement = privacy["guarantee"]["statement"]
+    assert statement.startswith(f"({total:g}, {delta:g})-local DP") and "(4 releases)" in statement
+    assert "EXTENDED" in statement and privacy["guarantee"]["epsilon"] == privacy["epsilon"]
+    on_disk = json.loads((run_dir / "summary.json").read_text())
+    assert on_disk["rounds"] == 4 and on_disk["privacy"]["epsilon"] == privacy["epsilon"]
+    record = json.loads((run_dir / "extensions.json").read_text())["extensions"]
+    assert [(e["from_round"], e["to_round"], e["rounds"]) for e in record] == [(2, 4, 2)]
+    assert record[0]["epsilon_before"] == pytest.approx(original, rel=1e-9)
+    assert record[0]["epsilon_after"] == pytest.approx(total, rel=1e-9)
+    log_text = (run_dir / "run.log").read_text()
+    assert "the original epsilon no longer holds" in log_text and "raised from 2 to 4" in log_text
+    rounds = [json.loads(s)["round"] for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rounds == [1, 2, 3, 4]
+    assert (run_dir / "config.yaml").read_text() == config_text  # what the run was calibrated for
+
+    # a stopped extension resumes to the extended target; a second extension composes on
+    from protofl.engine.runner import resume_experiment
+
+    again = resume_experiment(run_dir, progress=False)
+    assert (
+        again.summary["rounds"] == 4 and again.summary["privacy"]["epsilon"] == privacy["epsilon"]
+    )
+    more = extend_experiment(run_dir, 1, progress=False)
+    assert more.summary["privacy"]["epsilon"] == pytest.approx(
+        _accountant_epsilon(sigma, 5, delta), rel=1e-9
+    )
+
+    # editing config.yaml by hand is still refused, extended or not
+    (run_dir / "config.yaml").write_text(config_text.replace("rounds: 2", "rounds: 5"))
+    from protofl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"federation\.rounds: 2 -> 5"):
+        resume_experiment(run_dir)
+    with pytest.raises(ConfigError, match=r"federation\.rounds: 2 -> 5"):
+        extend_experiment(run_dir, 1)
+
+
+def test_the_release_limit_is_raised_explicitly_never_bypassed() -> None:
+    from protofl.engine.runner import raise_release_limit
+    from protofl.privacy import create_mechanism
+    from protofl.privacy.config import PrivacyConfig
+
+    mech = create_mechanism(PrivacyConfig(mechanism="igpp", epsilon=1.0), rounds=2, dim=8)
+    x, y = torch.randn(6, 8), torch.tensor([0, 0, 1, 1, 0, 1])
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        mech.release(x, y, num_classes=2, generator=gen, client="c")
+    with pytest.raises(RuntimeError, match="calibrated for"):
+        mech.release(x, y, num_classes=2, generator=gen, client="c")
+    sigma = mech.sigma
+    raise_release_limit(mech, 3)
+    mech.release(x, y, num_classes=2, generator=gen, client="c")
+    assert mech.sigma == sigma  # same noise: the epsilon spent grows instead
+    with pytest.raises(RuntimeError, match="calibrated for"):
+        mech.release(x, y, num_classes=2, generator=gen, client="c")
+    with pytest.raises(ValueError, match="below"):
+        raise_release_limit(mech, 2)
+
+
+def test_extend_refuses_unfinished_runs_and_bad_rounds_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from protofl.config import ConfigError
+    from protofl.engine.runner import extend_experiment
+
+    run_dir = run_experiment(_toy(2), out=tmp_path / "a").run_dir
+    for bad in ("0", "-3"):
+        assert main(["extend", str(run_dir), "--rounds", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "whole number of rounds >= 1" in err
+    with pytest.raises(SystemExit):  # argparse: not an integer
+        main(["extend", str(run_dir), "--rounds", "two"])
+    assert "invalid int value" in capsys.readouterr().err
+    (run_dir / "summary.json").unlink()  # as a run killed before its end leaves it
+    assert main(["extend", str(run_dir), "--rounds", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has not finished" in err and "--resume" in err
+    assert not (run_dir / "extensions.json").exists()
+    bare = run_experiment(_toy(1, **{"federation.checkpoint": "false"}), out=tmp_path / "b")
+    with pytest.raises(ConfigError, match=r"federation\.checkpoint=false"):
+        extend_experiment(bare.run_dir, 1)
+    assert main(["extend", str(tmp_path / "nowhere"), "--rounds", "1"]) == 2
+    assert "is not a run folder" in capsys.readouterr().err

@@ -83,3 +83,9 @@ def load_latest_checkpoint(run_dir: Path) -> dict[str, Any] | None:
             "no usable checkpoint in " + str(run_dir) + ": " + "; ".join(problems)
         )
     return None
+
+
+def latest_checkpoint_round(run_dir: Path) -> int | None:
+    """The round of the newest checkpoint the index lists (None: none yet)."""
+    rounds = [int(e["round"]) for e in _read_index(run_dir) if (run_dir / e["file"]).exists()]
+    return max(rounds) if rounds else None

@@ -10,6 +10,11 @@
   resume is asked to continue (``config.yaml``, which a person may have edited) with that record
   and refuses any difference in a key that can change results or privacy, naming the keys and
   both values.
+* :func:`add_extension` / :func:`read_extensions`: ``extensions.json``, the record of every
+  explicit extension of a finished run (``protofl extend``): how many rounds it added and the
+  epsilon the accountant composes for all releases at the calibrated noise.  The run record
+  and ``config.yaml`` stay what the run was calibrated for; :func:`target_rounds` is how many
+  rounds the run now has to reach.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 from protofl.config import CONFIG_SCHEMA, ConfigError, ExperimentConfig
 
 RECORD = "run-record.json"
+EXTENSIONS = "extensions.json"
 LOCK = ".lock"
 
 RESULT_FREE_KEYS = (
@@ -154,11 +160,11 @@ def check_resume(run_dir: Path, config: ExperimentConfig, *, engine: str = "sim"
             f"{run_dir}: made with config schema {record.get('schema')}, this protofl reads "
             f"schema {CONFIG_SCHEMA}; resume it with the protofl version that started it"
         )
-    if record.get("engine", "sim") != engine:
+    made_by = record.get("engine", "sim")
+    if made_by != engine:
         raise ConfigError(
-            f"{run_dir}: this run was made by the {record.get('engine')!r} engine; resuming it on "
-            f"the {engine!r} engine would change what the run was (Flower runs cannot be resumed "
-            "yet: start a new run)"
+            f"{run_dir}: this run was made by the {made_by!r} engine and resumes only on it; "
+            f"resuming it on the {engine!r} engine would change what the run was"
         )
     # a key the record lacks was added to protofl after the run started: its default is what
     # the run used (a new key's default keeps the old behaviour)
@@ -175,3 +181,41 @@ def check_resume(run_dir: Path, config: ExperimentConfig, *, engine: str = "sim"
             + ", ".join(RESULT_FREE_KEYS)
             + " may change)"
         )
+
+
+def record_engine(run_dir: Path) -> str:
+    """The engine that made ``run_dir`` (``sim`` for a folder made before records existed)."""
+    record = read_record(run_dir)
+    return "sim" if record is None else str(record.get("engine", "sim"))
+
+
+def read_extensions(run_dir: Path) -> list[dict[str, Any]]:
+    """The extensions of ``run_dir`` in order (empty: the run has its configured rounds)."""
+    path = run_dir / EXTENSIONS
+    if not path.exists():
+        return []
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path} is unreadable ({exc}); the run cannot be continued") from None
+    items = data.get("extensions") if isinstance(data, dict) else None
+    if not isinstance(items, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("rounds"), int) and e["rounds"] >= 1 for e in items
+    ):
+        raise ConfigError(f"{path} is not an extension record; the run cannot be continued")
+    return items
+
+
+def target_rounds(run_dir: Path, config: ExperimentConfig) -> int:
+    """Rounds the run in ``run_dir`` has to reach: the configured ones plus every extension."""
+    return config.federation.rounds + sum(int(e["rounds"]) for e in read_extensions(run_dir))
+
+
+def add_extension(run_dir: Path, entry: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Append one extension to ``extensions.json`` (written atomically); returns them all."""
+    from protofl.data.cache import atomic_write_bytes
+
+    items = [*read_extensions(run_dir), dict(entry)]
+    text = json.dumps({"extensions": items}, indent=1, sort_keys=True) + "\n"
+    atomic_write_bytes(run_dir / EXTENSIONS, text.encode())
+    return items

@@ -22,12 +22,18 @@ from protofl.engine.checkpoint import load_latest_checkpoint, save_checkpoint
 from protofl.engine.federated_data import FederatedData, build_federated_data, preflight
 from protofl.engine.rundir import (
     FolderLock,
+    add_extension,
     check_resume,
     claim_dir,
+    read_extensions,
     read_record,
+    record_engine,
+    target_rounds,
     write_record,
 )
 from protofl.engine.simulation import RoundMetrics, Simulation, summarise
+from protofl.errors import ConfigError
+from protofl.privacy.base import Mechanism
 
 log = logging.getLogger("protofl")
 
@@ -113,13 +119,184 @@ def run_in_dir(
 def resume_experiment(
     run_dir: str | Path, *, home: Path | None = None, progress: bool | None = None
 ) -> RunResult:
-    """Continue a stopped or killed run from its last complete round."""
+    """Continue a stopped or killed run of the ``sim`` engine from its last complete round
+    (up to its configured rounds plus any extension)."""
     run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").exists():
-        raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
-    config = ExperimentConfig.from_yaml(run_dir / "config.yaml")
+    config = read_run_config(run_dir)
     check_resume(run_dir, config)  # an edited config.yaml is refused, naming the keys
     return _execute(config, run_dir, home=home, progress=progress, data=None, resume=True)
+
+
+def read_run_config(run_dir: Path) -> ExperimentConfig:
+    """``run_dir/config.yaml`` (a folder without one is not a run folder)."""
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
+    return ExperimentConfig.from_yaml(run_dir / "config.yaml")
+
+
+# ----- extending a finished run ---------------------------------------------------------------
+def composed_epsilon(mechanism: Mechanism, config: ExperimentConfig, releases: int) -> float | None:
+    """Epsilon at ``privacy.delta`` the accountant composes for ``releases`` releases of one
+    client under ``mechanism``'s calibration (None: the mechanism gives no guarantee)."""
+    from protofl.privacy.accounting import epsilon_spent
+
+    if not mechanism.is_private or releases < 1:
+        return None if not mechanism.is_private else 0.0
+    events = [e for i in range(releases) for e in mechanism.release_events(i)]
+    return epsilon_spent(events, delta=config.privacy.delta, accountant=config.privacy.accountant)
+
+
+def raise_release_limit(mechanism: Mechanism, limit: int) -> None:
+    """Let each client make ``limit`` releases at the noise ``mechanism`` was calibrated with.
+
+    The mechanism refuses a client's release beyond the rounds it was calibrated for; an
+    extension (``protofl extend``, recorded in ``extensions.json``) raises that guard here,
+    explicitly and logged, and nowhere else.  The calibration (sigma) does not change, so the
+    epsilon spent grows with every extra release (the ledgers compose it).
+    """
+    if limit < mechanism.rounds:
+        raise ValueError(f"release limit {limit} is below the calibrated {mechanism.rounds}")
+    if limit > mechanism.rounds:
+        log.warning(
+            "extension: the %s mechanism's per-client release limit is raised from %d to %d "
+            "at the calibrated noise; epsilon spent grows accordingly",
+            mechanism.name,
+            mechanism.rounds,
+            limit,
+        )
+    mechanism.rounds = limit
+
+
+def check_extend_rounds(rounds: object) -> int:
+    """The number of rounds to extend by: an integer >= 1, or a one-line error."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ConfigError(f"--rounds={rounds!r}: extend by a whole number of rounds >= 1")
+    return rounds
+
+
+def plan_extension(run_dir: Path, config: ExperimentConfig, rounds: int) -> dict[str, Any]:
+    """Check that ``run_dir`` finished and write its extension by ``rounds`` to
+    ``extensions.json`` (what was calibrated, what is added, the new total epsilon)."""
+    from protofl.engine.checkpoint import latest_checkpoint_round
+    from protofl.privacy import create_mechanism
+
+    rounds = check_extend_rounds(rounds)
+    done = target_rounds(run_dir, config)
+    reached = latest_checkpoint_round(run_dir)
+    if not (run_dir / "summary.json").exists() or reached is None or reached < done:
+        if reached is None and not config.federation.checkpoint:
+            raise ConfigError(
+                f"{run_dir}: the run kept no checkpoint (federation.checkpoint=false), so there is "
+                "no final state to extend; start a new run with more rounds"
+            )
+        raise ConfigError(
+            f"{run_dir}: the run has not finished (round {reached or 0} of {done}); finish it "
+            f"first with `protofl run --resume {run_dir}`, then extend it"
+        )
+    fed, priv = config.federation, config.privacy
+    mechanism = create_mechanism(priv, rounds=fed.rounds, dim=config.backbone.proto_dim)
+    before = composed_epsilon(mechanism, config, done)
+    after = composed_epsilon(mechanism, config, done + rounds)
+    entry = {
+        "rounds": rounds,
+        "from_round": done,
+        "to_round": done + rounds,
+        "engine": record_engine(run_dir),
+        "created": datetime.now().isoformat(timespec="seconds"),
+        "calibrated": {
+            "mechanism": mechanism.name,
+            "epsilon": priv.epsilon if mechanism.is_private else None,
+            "delta": priv.delta if mechanism.is_private else None,
+            "rounds": fed.rounds,
+            "accountant": priv.accountant,
+        },
+        "epsilon_before": before,
+        "epsilon_after": after,
+        "note": (
+            f"the noise was calibrated for ({priv.epsilon:g}, {priv.delta:g}) over {fed.rounds} "
+            f"releases per client; {done + rounds} releases at that noise compose to epsilon "
+            f"{after:.4g} at delta {priv.delta:g} ({priv.accountant}): the original epsilon no "
+            "longer holds"
+            if after is not None
+            else "no privacy guarantee (the mechanism adds none)"
+        ),
+    }
+    add_extension(run_dir, entry)
+    return entry
+
+
+def extended_privacy(privacy: dict[str, Any], extensions: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary's privacy section of an extended run: the epsilon and guarantee are the
+    accountant's for every release made, and the calibrated budget is stated beside them."""
+    if not extensions:
+        return privacy
+    last = extensions[-1]
+    target, total = int(last["to_round"]), last["epsilon_after"]
+    cal = last["calibrated"]
+    out = dict(privacy)
+    out["rounds"] = target
+    out["calibrated"] = cal
+    out["extensions"] = [
+        {k: e[k] for k in ("from_round", "to_round", "rounds", "epsilon_after", "created")}
+        for e in extensions
+    ]
+    old = out.get("guarantee")
+    if isinstance(old, dict) and old.get("epsilon") is not None and total is not None:
+        out["epsilon"] = total
+        new = dict(old)
+        new["epsilon"], new["rounds"] = total, target
+        claimed = (
+            f"({cal['epsilon']:g}, {cal['delta']:g})-local DP per client over the whole run "
+            f"({cal['rounds']} releases)"
+        )
+        holds = (
+            f"({total:g}, {cal['delta']:g})-local DP per client over the whole run "
+            f"({target} releases)"
+        )
+        statement = str(old.get("statement", ""))
+        rest = statement[len(claimed) :] if statement.startswith(claimed) else ""
+        new["statement"] = (
+            holds
+            + rest
+            + f"; EXTENDED: the noise was calibrated for ({cal['epsilon']:g}, {cal['delta']:g}) "
+            f"over {cal['rounds']} releases; {target - int(cal['rounds'])} more releases at the "
+            "same noise raised epsilon to the value stated"
+        )
+        new["calibrated_epsilon"] = cal["epsilon"]
+        out["guarantee"] = new
+    return out
+
+
+def extend_experiment(
+    run_dir: str | Path,
+    rounds: int,
+    *,
+    home: Path | None = None,
+    progress: bool | None = None,
+) -> RunResult:
+    """Continue a finished ``sim`` run for ``rounds`` more rounds at its calibrated noise; the
+    extension and the new total epsilon are recorded (``extensions.json``, summary, log)."""
+    run_dir = Path(run_dir)
+    check_extend_rounds(rounds)
+    config = read_run_config(run_dir)
+    check_resume(run_dir, config)
+    lock = FolderLock(run_dir, "run")
+    lock.acquire()  # handed to _execute, which releases it
+    try:
+        entry = plan_extension(run_dir, config, rounds)
+    except BaseException:
+        lock.release()
+        raise
+    return _execute(
+        config,
+        run_dir,
+        home=home,
+        progress=progress,
+        data=None,
+        resume=True,
+        lock=lock,
+        extension=entry,
+    )
 
 
 def _execute(
@@ -130,9 +307,12 @@ def _execute(
     progress: bool | None,
     data: FederatedData | None,
     resume: bool,
+    lock: FolderLock | None = None,
+    extension: dict[str, Any] | None = None,
 ) -> RunResult:
-    lock = FolderLock(run_dir, "run")
-    lock.acquire()  # one process at a time in a run folder; released in the finally below
+    if lock is None:
+        lock = FolderLock(run_dir, "run")
+        lock.acquire()  # one process at a time in a run folder; released in the finally below
     threads_before = torch.get_num_threads()
     if config.run.threads is not None:
         torch.set_num_threads(config.run.threads)
@@ -154,6 +334,12 @@ def _execute(
             # 10x faster per step on a loaded 2-core machine); extraction above used them all
             torch.set_num_threads(1)
         sim = Simulation(config, data, upload_hooks=diagnostics_for(config))
+        extensions = read_extensions(run_dir)
+        target = target_rounds(run_dir, config)
+        if extension is not None:
+            log.warning("extension of %s: %s", run_dir, extension["note"])
+        if target > config.federation.rounds:
+            raise_release_limit(sim.mechanism, target)
         metrics_path = run_dir / "metrics.jsonl"
         if resume:
             state = load_latest_checkpoint(run_dir)
@@ -176,13 +362,13 @@ def _execute(
             with open(metrics_path, "a") as fh:
                 fh.write(json.dumps(m.to_json()) + "\n")
             fed = config.federation
-            if fed.checkpoint and (m.round % fed.checkpoint_every == 0 or m.round == fed.rounds):
+            if fed.checkpoint and (m.round % fed.checkpoint_every == 0 or m.round == target):
                 save_checkpoint(run_dir, m.round, sim.state_dict())
             log.info(
                 "round %d: avg %.4f std %.4f loss %.4f", m.round, m.avg_acc, m.std_acc, m.train_loss
             )
 
-        history = _run_with_progress(sim, on_round, show)
+        history = _run_with_progress(sim, on_round, show, target)
         if not history:
             raise ValueError(f"{run_dir}: no round has run (federation.rounds reached?)")
         summary = summarise(history)
@@ -199,12 +385,15 @@ def _execute(
                 "clients": [c.data.name for c in sim.clients],
                 "num_train": {c.data.name: c.data.num_train for c in sim.clients},
                 "setup_s": setup_s,
-                "privacy": {
-                    **sim.mechanism.describe(),
-                    **sim.privacy_status(),
-                    "dcr": config.privacy.use_dcr,
-                    "guarantee": sim.guarantee(),
-                },
+                "privacy": extended_privacy(
+                    {
+                        **sim.mechanism.describe(),
+                        **sim.privacy_status(),
+                        "dcr": config.privacy.use_dcr,
+                        "guarantee": sim.guarantee(),
+                    },
+                    extensions,
+                ),
                 "units": "accuracies are fractions in [0, 1]; tables show percentages",
                 "environment": environment(),
             }
@@ -222,9 +411,12 @@ def _execute(
         lock.release()
 
 
-def _run_with_progress(sim: Simulation, on_round: Any, show: bool) -> list[RoundMetrics]:
+def _run_with_progress(
+    sim: Simulation, on_round: Any, show: bool, target: int
+) -> list[RoundMetrics]:
+    todo = max(target - sim.round, 0)
     if not show:
-        return sim.run(on_round=on_round)
+        return sim.run(todo, on_round=on_round)
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     cols = (
@@ -235,15 +427,13 @@ def _run_with_progress(sim: Simulation, on_round: Any, show: bool) -> list[Round
         TimeElapsedColumn(),
     )
     with Progress(*cols, transient=False) as bar:
-        task = bar.add_task(
-            "rounds", total=sim.config.federation.rounds, completed=sim.round, avg="-"
-        )
+        task = bar.add_task("rounds", total=target, completed=sim.round, avg="-")
 
         def both(m: RoundMetrics) -> None:
             on_round(m)
             bar.update(task, advance=1, avg=f"{100 * m.avg_acc:.1f}%")
 
-        return sim.run(on_round=both)
+        return sim.run(todo, on_round=both)
 
 
 def save_artifacts(sim: Simulation, run_dir: Path) -> None:
