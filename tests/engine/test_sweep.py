@@ -146,7 +146,8 @@ def test_stopped_sweep_completes_only_the_rest_and_reports_failures(
     out = capsys.readouterr().out
     assert "3/4 runs complete (3 already done, 0 ran, 0 resumed), 1 failed" in out
     assert "FAILED 003-domains-red+nope" in out
-    assert "| domains | n | red | blue | green | grey | AVG | STD |" in out
+    # the summary table follows each run's run.headline and says which metric it is
+    assert "| domains | metric | n | red | blue | green | grey | AVG | STD |" in out
 
 
 def test_folder_with_a_different_sweep_is_refused(tmp_path: Path) -> None:

@@ -25,16 +25,21 @@ def make_run(
     acc: dict[str, float],
     epsilon: float = 1.0,
     rows: list[dict[str, float]] | None = None,
+    headline: str | None = None,
+    record_headline: bool = True,
 ) -> Path:
-    """A finished run folder with exactly these numbers (fractions)."""
+    """A finished run folder with exactly these numbers (fractions); ``headline`` sets
+    ``run.headline`` in the config and (with ``record_headline``) in summary.json."""
     d = root / name
     d.mkdir(parents=True)
-    config = {
+    config: dict[str, Any] = {
         "name": name,
         "seed": seed,
         "method": {"name": method},
         "privacy": {"mechanism": mechanism, "epsilon": epsilon},
     }
+    if headline is not None:
+        config["run"] = {"headline": headline}
     (d / "config.yaml").write_text(yaml.safe_dump(config))
     vals = list(acc.values())
     rows = rows or [acc]
@@ -66,6 +71,9 @@ def make_run(
         "domains": list(acc),
         "privacy": {"mechanism": mechanism, "epsilon_spent": {"A": None, "B": None}},
     }
+    if headline is not None and record_headline:
+        key = "avg_acc_last5" if headline == "last5" else "avg_acc"
+        summary["headline"] = {"metric": headline, "avg_acc": summary[key]}
     (d / "summary.json").write_text(json.dumps(summary))
     return d
 
@@ -91,6 +99,15 @@ EXPECTED_MD = """\
 | fedproto | none | 2 | **85.00 ± 7.07** | 65.00 ± 7.07 | **75.00 ± 7.07** | 10.00 ± 0.00 |
 | fedproto | vpdr | 2 | 72.00 ± 2.83 | **68.00 ± 2.83** | 70.00 ± 2.83 | **2.00 ± 0.00** |
 | fpl | vpdr | 1 | 75.00 | 55.00 | 65.00 | 10.00 |
+"""
+
+# the same runs under the default --metric headline: none of them names a headline, so final
+EXPECTED_MD_HEADLINE = """\
+| method | mechanism | metric | n | A | B | AVG | STD |
+|:--|:--|:--|--:|--:|--:|--:|--:|
+| fedproto | none | final | 2 | **85.00 ± 7.07** | 65.00 ± 7.07 | **75.00 ± 7.07** | 10.00 ± 0.00 |
+| fedproto | vpdr | final | 2 | 72.00 ± 2.83 | **68.00 ± 2.83** | 70.00 ± 2.83 | **2.00 ± 0.00** |
+| fpl | vpdr | final | 1 | 75.00 | 55.00 | 65.00 | 10.00 |
 """
 
 
@@ -163,7 +180,7 @@ def test_cli_table_lists_and_skips_non_runs(
     )  # fmt: skip
     assert args.func(args) == 0
     out, err = capsys.readouterr()
-    assert out == EXPECTED_MD
+    assert out == EXPECTED_MD_HEADLINE  # by default each row says its runs' headline metric
     assert "stopped: not finished" in err
     assert "not-a-run: not a run folder" in err
     assert "missing: does not exist" in err
@@ -203,7 +220,115 @@ def test_where_keeps_only_matching_runs(
     args = _parse(["table", str(runs), "--by", "method,mechanism", "--where", "method=fpl"])
     assert args.func(args) == 0
     out, _ = capsys.readouterr()
-    assert out.splitlines()[2] == "| fpl | vpdr | 1 | 75.00 | 55.00 | 65.00 | 10.00 |"
+    assert out.splitlines()[2] == "| fpl | vpdr | final | 1 | 75.00 | 55.00 | 65.00 | 10.00 |"
     args = _parse(["table", str(runs), "--where", "method=fedpcl"])
     with pytest.raises(ValueError, match="no finished run matches --where method=fedpcl"):
         args.func(args)
+
+
+# ----- --metric headline (default): each run's run.headline --------------------------------------
+def _headline_runs(root: Path) -> Path:
+    """Two final-headline FedProto seeds and two last5-headline FedDAP seeds, 6 rounds each
+    (round i: A = 0.1 * i + offset, B = 0.05 * i + offset)."""
+    for method, headline, offsets in (
+        ("fedproto", "final", (0.0, 0.02)),
+        ("feddap", "last5", (0.1, 0.12)),
+    ):
+        for seed, off in enumerate(offsets):
+            rows = [{"A": 0.1 * i + off, "B": 0.05 * i + off} for i in range(1, 7)]
+            make_run(
+                root, f"{method}-{seed}", method=method, mechanism="none", seed=seed,
+                acc=rows[-1], rows=rows, headline=headline,
+            )  # fmt: skip
+    return root
+
+
+def test_default_metric_follows_each_runs_headline(tmp_path: Path) -> None:
+    root = _headline_runs(tmp_path / "runs")
+    found, _ = collect_runs([root], metric="headline")
+    assert {r.name: r.headline for r in found} == {
+        "feddap-0": "last5", "feddap-1": "last5", "fedproto-0": "final", "fedproto-1": "final",
+    }  # fmt: skip
+    table = aggregate(found, by=["method"], metric="headline")
+    assert [(g.key, g.metric) for g in table.groups] == [
+        (("feddap",), "last5"),
+        (("fedproto",), "final"),
+    ]
+    cells = {g.key[0]: g.cells for g in table.groups}
+    # FedDAP's cells: the mean of its last 5 rounds (2..6), then over its two seeds
+    last5_a = np.mean([0.1 * i for i in range(2, 7)]) + 0.11
+    assert cells["feddap"]["A"].mean == pytest.approx(last5_a)
+    # FedProto's cells: the final round (6)
+    assert cells["fedproto"]["A"].mean == pytest.approx(0.6 + 0.01)
+    md = format_table(table, "md").splitlines()
+    assert md[0] == "| method | metric | n | A | B | AVG | STD |"
+    assert md[2].startswith("| feddap | last5 | 2 | 51.00 ± 1.41 |")
+    assert md[3].startswith("| fedproto | final | 2 | 61.00 ± 1.41 |")
+    # best is ranked among rows of the same metric only: each row is alone in its metric
+    assert "**" not in "\n".join(md)
+    csv_lines = format_table(table, "csv").splitlines()
+    assert csv_lines[0].startswith("method,metric,n,A_mean,")
+    assert csv_lines[1].startswith("feddap,last5,2,51.0000,")
+    assert r"feddap & last5 & 2" in format_table(table, "latex")
+    assert '<td class="key">last5</td>' in format_table(table, "html")
+
+
+def test_forced_metric_applies_to_every_run_and_hides_the_column(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = _headline_runs(tmp_path / "runs")
+    for metric, feddap_a in (
+        ("final", 0.71),
+        ("last5", np.mean([0.1 * i for i in range(2, 7)]) + 0.11),
+    ):
+        args = _parse(["table", str(root), "--by", "method", "--metric", metric, "--caption"])
+        assert args.func(args) == 0
+        out, err = capsys.readouterr()
+        lines = out.splitlines()
+        assert lines[0] == "| method | n | A | B | AVG | STD |"  # one metric: no column
+        # forced: ranked across every row (here FedDAP's are best)
+        assert lines[2].startswith(f"| feddap | 2 | **{100 * feddap_a:.2f} ± 1.41** |")
+        assert ("final round" if metric == "final" else "mean of the last 5 rounds") in err
+    args = _parse(["table", str(root), "--by", "method", "--caption"])  # the default: headline
+    assert args.func(args) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == "| method | metric | n | A | B | AVG | STD |"
+    assert "each run's headline" in err
+    with pytest.raises(SystemExit):
+        _parse(["table", str(root), "--metric", "best"])
+
+
+def test_rows_never_mix_metrics_and_best_is_ranked_within_a_metric(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    # one method, two headlines: two rows, not one averaging a final round with a last-5 mean
+    rows = [{"A": 0.1 * i, "B": 0.1 * i} for i in range(1, 7)]
+    make_run(root, "a", method="fedproto", mechanism="none", seed=0, acc=rows[-1], rows=rows)
+    make_run(root, "b", method="fedproto", mechanism="none", seed=1, acc=rows[-1], rows=rows,
+             headline="last5")  # fmt: skip
+    make_run(root, "c", method="fpl", mechanism="none", seed=0, acc={"A": 0.5, "B": 0.5},
+             headline="final")  # fmt: skip
+    found, _ = collect_runs([root], metric="headline")
+    table = aggregate(found, by=["method"], metric="headline")
+    assert [(g.key[0], g.metric, len(g.runs)) for g in table.groups] == [
+        ("fedproto", "final", 1), ("fedproto", "last5", 1), ("fpl", "final", 1),
+    ]  # fmt: skip
+    # AVG: fedproto/final 60 beats fpl/final 50; fedproto/last5 (40) is not ranked against them
+    assert table.best("AVG") == {0}
+
+
+def test_headline_falls_back_to_the_config_then_final(tmp_path: Path) -> None:
+    rows = [{"A": 0.1 * i, "B": 0.1 * i} for i in range(1, 7)]
+    old = make_run(tmp_path, "old", method="fedproto", mechanism="none", seed=0, acc=rows[-1],
+                   rows=rows, headline="last5", record_headline=False)  # fmt: skip
+    rec = load_run(old)
+    assert "headline" not in rec.summary and rec.headline == "last5"  # from config.yaml
+    assert rec.scores("headline") == rec.scores("last5")
+    bare = make_run(tmp_path, "bare", method="fedproto", mechanism="none", seed=0, acc=rows[-1],
+                    rows=rows)  # fmt: skip
+    assert load_run(bare).headline == "final"
+    with pytest.raises(
+        ValueError, match="metric 'best' is unknown; choose one of: headline, final, last5"
+    ):
+        rec.scores("best")
+    with pytest.raises(ValueError, match="metric 'best' is unknown"):
+        aggregate([rec], metric="best")

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from protofl.report.tables import HEADLINE, METRIC_CHOICES
+
 PLOT_KINDS = (
     "accuracy",
     "avg",
@@ -86,7 +88,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         runs, _ = collect_runs([result.sweep_dir])
         if runs:
             print()
-            print(format_table(aggregate(runs), "md"), end="")
+            print(format_table(aggregate(runs, metric=HEADLINE), "md"), end="")
     return 1 if result.failed else 0
 
 
@@ -226,9 +228,10 @@ def add_report_parsers(subparsers: Any) -> None:
     tb.add_argument("--format", choices=("md", "csv", "latex", "html"), default="md")
     tb.add_argument(
         "--metric",
-        choices=("final", "last5"),
-        default="final",
-        help="final round (VPDR) or mean of the last 5 rounds (FedDAP)",
+        choices=METRIC_CHOICES,
+        default=HEADLINE,
+        help="headline (default): each run's run.headline, named in a metric column; final: "
+        "the final round for every run (VPDR); last5: the mean of the last 5 rounds (FedDAP)",
     )
     tb.add_argument("--digits", type=int, default=2, help="decimals shown (default 2)")
     tb.add_argument(
@@ -250,7 +253,7 @@ def add_report_parsers(subparsers: Any) -> None:
     )
     rp.add_argument("folder", metavar="RUN_OR_SWEEP_DIR")
     rp.add_argument("--by", help="group keys for the sweep tables (default: varying keys)")
-    rp.add_argument("--metric", choices=("final", "last5"), default="final")
+    rp.add_argument("--metric", choices=METRIC_CHOICES, default="final")
     rp.add_argument("--no-tsne", action="store_true", help="skip the t-SNE figure of a run")
     rp.add_argument("--tsne-points", type=int, default=1000)
     rp.set_defaults(func=cmd_report)
@@ -261,7 +264,7 @@ def add_report_parsers(subparsers: Any) -> None:
     pl.add_argument(
         "--out", help="output stem (default: RUN_DIR/figures/KIND, or ./KIND for several)"
     )
-    pl.add_argument("--metric", choices=("final", "last5"), default="final")
+    pl.add_argument("--metric", choices=METRIC_CHOICES, default="final")
     pl.add_argument("--by", help="group keys for kind avg")
     pl.add_argument(
         "--where",

@@ -6,7 +6,10 @@ Definitions (both papers' conventions are available through ``metric``):
 * ``final``: the final round's accuracies (VPDR) -- ``summary.json`` ``acc``, ``avg_acc``,
   ``std_acc``;
 * ``last5``: the mean over the last 5 rounds (FedDAP) of every reported number -- each domain's
-  accuracy, AVG and STD are averaged over the last ``min(5, rounds)`` rows of ``metrics.jsonl``.
+  accuracy, AVG and STD are averaged over the last ``min(5, rounds)`` rows of ``metrics.jsonl``;
+* ``headline``: each run's own ``run.headline`` (``summary.json`` ``headline``, else its config;
+  ``final`` for runs that record neither). Rows never mix metrics: the metric is part of a row's
+  key, and the table shows it in a ``metric`` column.
 
 AVG is the mean over domains of the per-domain accuracy (a domain with several clients counts
 once, its clients averaged), STD the population standard deviation over domains; both as the
@@ -55,6 +58,9 @@ for _alias, _key in ALIASES.items():
     SHORT.setdefault(_key, _alias)
 
 METRICS = ("final", "last5")
+HEADLINE = "headline"
+METRIC_CHOICES = (HEADLINE, *METRICS)
+"""What ``--metric`` takes: a run's own headline, or one metric forced for every run."""
 FORMATS = ("md", "csv", "latex", "html")
 AVG, STD, HOLDOUT = "AVG", "STD", "held-out"
 IGNORED_VARYING = ("name", "seed", "run.")
@@ -115,10 +121,24 @@ class RunRecord:
         """Domain names in the run's order."""
         return [str(d) for d in self.summary.get("domains") or self.summary.get("acc", {})]
 
+    @property
+    def headline(self) -> str:
+        """The run's headline metric: ``summary.json`` ``headline``, else ``run.headline`` of
+        its config, else ``final`` (runs made before ``run.headline`` existed)."""
+        recorded = self.summary.get("headline")
+        if isinstance(recorded, Mapping) and recorded.get("metric") in METRICS:
+            return str(recorded["metric"])
+        configured = self.value("run.headline")
+        return str(configured) if configured in METRICS else "final"
+
+    def resolve_metric(self, metric: str) -> str:
+        """``final`` or ``last5``: ``metric`` itself, or the run's headline for ``headline``."""
+        check_metric(metric)
+        return self.headline if metric == HEADLINE else metric
+
     def scores(self, metric: str = "final") -> dict[str, float]:
         """Per-domain accuracy, AVG, STD (and held-out when the run has it), as fractions."""
-        if metric not in METRICS:
-            raise ValueError(f"metric {metric!r} is unknown; choose one of: {', '.join(METRICS)}")
+        metric = self.resolve_metric(metric)
         if metric == "final":
             s = self.summary
             out = {str(k): float(v) for k, v in s["acc"].items()}
@@ -159,6 +179,14 @@ class RunRecord:
         except (OSError, ValueError):
             return None
         return data if isinstance(data, dict) else None
+
+
+def check_metric(metric: str) -> None:
+    """Raise ValueError unless ``metric`` is one of :data:`METRIC_CHOICES`."""
+    if metric not in METRIC_CHOICES:
+        raise ValueError(
+            f"metric {metric!r} is unknown; choose one of: {', '.join(METRIC_CHOICES)}"
+        )
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -339,11 +367,13 @@ class Cell:
 
 @dataclass
 class Group:
-    """One row: the values of the group keys and the runs in it."""
+    """One row: the values of the group keys, the runs in it and the metric of its cells."""
 
     key: tuple[Any, ...]
     runs: list[RunRecord]
     cells: dict[str, Cell]
+    metric: str = "final"
+    """``final`` or ``last5``: what every cell of this row is."""
 
 
 @dataclass
@@ -354,30 +384,46 @@ class ResultTable:
     columns: list[str]
     groups: list[Group]
     metric: str
+    """What was asked: ``final``, ``last5`` or ``headline`` (each row its runs' own)."""
+
+    @property
+    def shows_metric(self) -> bool:
+        """Whether the rendered table has a ``metric`` column (rows follow their runs)."""
+        return self.metric == HEADLINE
 
     def best(self, column: str, digits: int = 2) -> set[int]:
-        """Indices of the rows holding the best shown value of ``column``."""
-        vals = {
-            i: round(100 * g.cells[column].mean, digits)
-            for i, g in enumerate(self.groups)
-            if column in g.cells and math.isfinite(g.cells[column].mean)
-        }
-        if len(vals) < 2 or len(set(vals.values())) < 2:
-            return set()
-        target = min(vals.values()) if column == STD else max(vals.values())
-        return {i for i, v in vals.items() if v == target}
+        """Indices of the rows holding the best shown value of ``column`` (compared among the
+        rows of the same metric: a final-round number is not ranked against a last-5 mean)."""
+        marked: set[int] = set()
+        for metric in dict.fromkeys(g.metric for g in self.groups):
+            vals = {
+                i: round(100 * g.cells[column].mean, digits)
+                for i, g in enumerate(self.groups)
+                if g.metric == metric and column in g.cells and math.isfinite(g.cells[column].mean)
+            }
+            if len(vals) < 2 or len(set(vals.values())) < 2:
+                continue
+            target = min(vals.values()) if column == STD else max(vals.values())
+            marked |= {i for i, v in vals.items() if v == target}
+        return marked
 
 
 def aggregate(
     runs: Sequence[RunRecord], by: Sequence[str] | None = None, metric: str = "final"
 ) -> ResultTable:
-    """Group runs by config keys and average every column over each group's runs."""
+    """Group runs by config keys and average every column over each group's runs.
+
+    ``metric``: ``final``, ``last5`` or ``headline`` (each run's own; runs of different
+    headlines go to different rows).
+    """
+    check_metric(metric)
     if not runs:
         raise ValueError("no finished runs to tabulate")
     keys = [resolve_key(k) for k in by] if by is not None else default_by(runs)
-    groups: dict[tuple[Any, ...], list[RunRecord]] = {}
+    groups: dict[tuple[tuple[Any, ...], str], list[RunRecord]] = {}
     for r in runs:
-        groups.setdefault(tuple(_hashable(r.value(k)) for k in keys), []).append(r)
+        row = tuple(_hashable(r.value(k)) for k in keys)
+        groups.setdefault((row, r.resolve_metric(metric)), []).append(r)
     domains: list[str] = []
     extra: list[str] = []
     for r in runs:
@@ -388,7 +434,7 @@ def aggregate(
             extra.append(HOLDOUT)
     columns = [*domains, AVG, STD, *extra]
     out = []
-    for key, members in groups.items():
+    for (key, row_metric), members in groups.items():
         per_col: dict[str, list[float]] = {}
         for r in members:
             for col, v in r.scores(metric).items():
@@ -404,7 +450,7 @@ def aggregate(
                 std=float(arr.std(ddof=1)) if len(arr) > 1 else None,
                 n=len(arr),
             )
-        out.append(Group(key=key, runs=list(members), cells=cells))
+        out.append(Group(key=key, runs=list(members), cells=cells, metric=row_metric))
     return ResultTable(by=keys, columns=columns, groups=out, metric=metric)
 
 
@@ -459,7 +505,12 @@ def format_table(table: ResultTable, fmt: str = "md", digits: int = 2) -> str:
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r} is unknown; choose one of: {', '.join(FORMATS)}")
     best = {col: table.best(col, digits) for col in table.columns}
-    heads = [display_key(k) for k in table.by]
+    heads = [display_key(k) for k in table.by] + (["metric"] if table.shows_metric else [])
+
+    def row_keys(g: Group, key_fmt: str) -> list[str]:
+        keys = [format_value(k, v, key_fmt) for k, v in zip(table.by, g.key)]
+        return keys + ([g.metric] if table.shows_metric else [])
+
     if fmt == "csv":
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
@@ -467,7 +518,7 @@ def format_table(table: ResultTable, fmt: str = "md", digits: int = 2) -> str:
             [*heads, "n"] + [f"{c}_{s}" for c in table.columns for s in ("mean", "std")] + ["best"]
         )
         for i, g in enumerate(table.groups):
-            row = [format_value(k, v, "csv") for k, v in zip(table.by, g.key)]
+            row = row_keys(g, "csv")
             row.append(str(len(g.runs)))
             for col in table.columns:
                 cell = g.cells.get(col)
@@ -491,7 +542,7 @@ def format_table(table: ResultTable, fmt: str = "md", digits: int = 2) -> str:
             elif fmt == "html":
                 text = html.escape(text)
             cells.append(text)
-        keys = [format_value(k, v, fmt) for k, v in zip(table.by, g.key)]
+        keys = row_keys(g, fmt)
         if fmt == "latex":
             keys = [k if k == r"$\infty$" else latex_escape(k) for k in keys]
         elif fmt == "html":
@@ -533,7 +584,13 @@ def format_table(table: ResultTable, fmt: str = "md", digits: int = 2) -> str:
 
 def describe_metric(metric: str) -> str:
     """One line saying what the numbers are."""
-    which = "final round" if metric == "final" else "mean of the last 5 rounds"
+    check_metric(metric)
+    which = {
+        "final": "final round",
+        "last5": "mean of the last 5 rounds",
+        HEADLINE: "each run's headline (run.headline: final round or mean of the last 5 "
+        "rounds, named in the metric column)",
+    }[metric]
     return (
         f"Accuracy (%), {which}; AVG = mean over domains, STD = std over domains; "
         "mean ± sample std over the runs of a row (n); best per column marked (STD: lowest)."
