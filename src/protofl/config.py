@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -212,8 +213,20 @@ class RunConfig:
     # where the rounds run: a name of protofl.engine.engines.ENGINE_REGISTRY (sim,
     # flower, ...), checked by preflight before anything is created
     engine: str = "sim"
+    # where everything computes: auto (a GPU when torch sees one, else cpu) | cpu | cuda |
+    # cuda:N; whether the GPU is there is checked when a run starts (protofl.models.device)
+    device: str = "auto"
+    # mixed precision of local training and evaluation: none | bf16 (autocast)
+    amp: str = "none"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not re.match(
+            r"^(auto|cpu|cuda|cuda:\d+)$", self.device
+        ):
+            raise ConfigError(
+                f"run.device={self.device!r}: write auto, cpu, cuda or cuda:N (N a GPU index)"
+            )
+        check_choice("run.amp", self.amp, ("none", "bf16"))
         if self.threads is not None:
             check_range("run.threads", self.threads, low=1)
         check_range("run.mia_every", self.mia_every, low=0)

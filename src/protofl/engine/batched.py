@@ -282,19 +282,23 @@ class _Store:
         shapes: dict[str, tuple[int, ...]],
         teacher_shapes: dict[str, tuple[int, ...]],
         order: list[Client],
+        device: torch.device | None = None,
     ) -> None:
         m = len(order)
+        dev = device or torch.device("cpu")
         self.names = names
         self.paths = [tuple(n.split(".")) for n in names]
         self.teacher_paths = [tuple(n.split(".")) for n in teacher_shapes]
         self.row = {c.data.client: r for r, c in enumerate(order)}
         # uninitialised: every row is written when its client is adopted, so memory becomes
         # resident client by client (the moments only once the client first trains)
-        self.param = {n: torch.empty(m, *shapes[n]) for n in names}
-        self.exp_avg = {n: torch.empty(m, *shapes[n]) for n in names}
-        self.exp_avg_sq = {n: torch.empty(m, *shapes[n]) for n in names}
-        self.step = {n: torch.zeros(m) for n in names}
-        self.teacher = {n: torch.empty(m, *s) for n, s in teacher_shapes.items()}
+        # on run.device, with the clients' models (AdamW's step counts too: the fused kernel
+        # reads them there)
+        self.param = {n: torch.empty(m, *shapes[n], device=dev) for n in names}
+        self.exp_avg = {n: torch.empty(m, *shapes[n], device=dev) for n in names}
+        self.exp_avg_sq = {n: torch.empty(m, *shapes[n], device=dev) for n in names}
+        self.step = {n: torch.zeros(m, device=dev) for n in names}
+        self.teacher = {n: torch.empty(m, *s, device=dev) for n, s in teacher_shapes.items()}
 
         # (first byte, bytes per row) of every store tensor: row pointers without views
         self._layout: dict[int, tuple[int, int]] = {}
@@ -414,6 +418,8 @@ class BatchedTrainer:
         if optimizer not in ("fused", "reference"):
             raise ValueError(f"optimizer={optimizer!r}; choose fused or reference")
         self.sim = sim
+        # run.device (Simulation.device): the stacked storage, the batches and the products
+        self.device: torch.device = getattr(sim, "device", torch.device("cpu"))
         self.memory_budget = memory_budget
         # torch's fused AdamW kernel (one pass over memory); "reference" runs the op sequence of
         # torch's default single-tensor AdamW (bitwise the sequential mode's update, slower)
@@ -426,6 +432,9 @@ class BatchedTrainer:
         if self.objective is None:
             # (it overrides client_loss or predict without declaring objective / prediction)
             self.reason = f"method {sim.method.name} cannot batch"
+        elif getattr(sim, "amp", "none") != "none":
+            # the batched layers write float32 gradients into preallocated buffers
+            self.reason = f"run.amp={sim.amp} is not batched"
         else:
             self.reason = self._check_clients(sim.clients)
         self.supported = self.reason is None
@@ -454,7 +463,7 @@ class BatchedTrainer:
         self.teacher_shapes = (
             {n: tuple(p.shape) for n, p in dcr.teacher.named_parameters()} if dcr else {}
         )
-        self.anchor = torch.zeros((), requires_grad=True)
+        self.anchor = torch.zeros((), requires_grad=True, device=self.device)
         self._y0: dict[int, tuple[torch.Tensor, tuple[int, ...], torch.Tensor]] = {}
 
     # ----- checks ---------------------------------------------------------------------------
@@ -515,7 +524,7 @@ class BatchedTrainer:
             for c in self.sim.clients:
                 self._test_rank.setdefault(id(c.data.test_z), len(self._test_rank))
             order = sorted(self.sim.clients, key=self._sort_key)
-            self.store = _Store(self.names, self.shapes, self.teacher_shapes, order)
+            self.store = _Store(self.names, self.shapes, self.teacher_shapes, order, self.device)
         return self.store
 
     def groups(self, clients: Sequence[Client]) -> list[_Group]:
@@ -546,7 +555,7 @@ class BatchedTrainer:
         return _Group(
             clients=[clients[j] for j in idx],
             positions=list(idx),
-            rows=torch.tensor(rows),
+            rows=torch.tensor(rows, device=self.device),
             contiguous=rows == list(range(rows[0], rows[0] + len(rows))),
             steps=[self._steps(clients[j]) for j in idx],
         )
@@ -574,8 +583,9 @@ class BatchedTrainer:
         """Per client and step the row indices into the group's concatenated features.
 
         Returns ``index [m, S, W]`` (padding points at the client's own first row) and
-        ``valid [m, S, W]``; the permutations come from each client's ``train_gen`` exactly as
-        in :meth:`Simulation.train_client` (``local_epochs`` calls of ``torch.randperm``).
+        ``valid [m, S, W]``, on the CPU (the caller moves them); the permutations come from
+        each client's ``train_gen`` exactly as in :meth:`Simulation.train_client`
+        (``local_epochs`` calls of ``torch.randperm``).
         """
         fed = self.sim.config.federation
         bs = fed.batch_size
@@ -604,7 +614,9 @@ class BatchedTrainer:
 
     def _grad_buffers(self, rows: int) -> dict[str, torch.Tensor]:
         if not self._grad or next(iter(self._grad.values())).shape[0] < rows:
-            self._grad = {n: torch.empty(rows, *self.shapes[n]) for n in self.names}
+            self._grad = {
+                n: torch.empty(rows, *self.shapes[n], device=self.device) for n in self.names
+            }
         return self._grad
 
     @staticmethod
@@ -634,7 +646,9 @@ class BatchedTrainer:
         m = len(clients)
         feats = torch.cat([c.data.train_z for c in clients])
         labels = torch.cat([c.data.train_y for c in clients])
-        index, valid = self._batches(group)
+        index, valid_cpu = self._batches(group)
+        # drawn on the CPU from the clients' generators, moved once per group
+        index, valid = index.to(self.device), valid_cpu.to(self.device)
         steps_of = torch.tensor(group.steps)
 
         params = {n: group.take(store.param[n]) for n in self.names}
@@ -659,10 +673,10 @@ class BatchedTrainer:
             ),
         )
         has_param_terms = bool(objective.param_terms)
-        loss_sum = torch.zeros(m, dtype=torch.float64)
+        loss_sum = torch.zeros(m, dtype=torch.float64, device=self.device)
         for s in range(group.steps[0]):
             k = int((steps_of > s).sum())  # clients still stepping: a prefix
-            widths = valid[:k, s].sum(dim=1).tolist()
+            widths = valid_cpu[:k, s].sum(dim=1).tolist()
             losses = []
             for a, b, width in self._pieces(widths):
                 rows = index[a:b, s, :width]
@@ -681,13 +695,14 @@ class BatchedTrainer:
                 step = Step(f=f, logits=logits, y=y, ok=ok)
                 loss = objective.feature_loss(step, prepared, rows_)
                 if dcr is not None and dcr_steps is not None and dcr.weight != 0:
-                    kd_on = dcr_steps[a:b] >= dcr.warmup
+                    kd_on = dcr_steps[a:b] >= dcr.warmup  # on the CPU
+                    kd_on_dev = kd_on.to(self.device)
                     if bool(kd_on.any()):
                         with torch.no_grad():
                             t_logits = self._teacher({n: t[a:b] for n, t in teacher.items()}, f_raw)
                         kl = distillation(logits, t_logits, dcr.tau, ok)
                         kd = dcr.weight * dcr.tau**2 * kl
-                        loss = loss + torch.where(kd_on, kd, torch.zeros_like(kd))
+                        loss = loss + torch.where(kd_on_dev, kd, torch.zeros_like(kd))
                 losses.append(loss)
             loss = torch.cat(losses) if len(losses) > 1 else losses[0]
             param_grads: dict[str, torch.Tensor] = {}
@@ -726,7 +741,8 @@ class BatchedTrainer:
         if dcr_steps is not None:
             for c, st in zip(clients, dcr_steps.tolist()):
                 c.dcr.steps = int(st)
-        return [float(loss_sum[i]) / max(group.steps[i], 1) for i in range(m)]
+        sums = loss_sum.tolist()
+        return [sums[i] / max(group.steps[i], 1) for i in range(m)]
 
     # ----- pieces -----------------------------------------------------------------------------
     def _linear(
@@ -871,7 +887,7 @@ class BatchedTrainer:
             ):
                 stop += 1
             part = [clients[j] for j in order[start:stop]]
-            z = torch.zeros(len(part), top, part[0].data.train_z.shape[1])
+            z = torch.zeros(len(part), top, part[0].data.train_z.shape[1], device=self.device)
             for i, c in enumerate(part):
                 z[i, : c.data.num_train] = c.data.train_z
             w = self._rows(store.param, [store.row[c.data.client] for c in part])
@@ -962,7 +978,7 @@ class BatchedTrainer:
         pred = torch.cat(preds)
         back = torch.empty_like(rank)
         back[rank] = torch.arange(len(rank))
-        return pred[back]
+        return pred[back.to(pred.device)]
 
     def _predict_from_features(
         self, w: dict[str, torch.Tensor], f: torch.Tensor, proto_eval: bool
@@ -998,7 +1014,7 @@ class BatchedTrainer:
         """Rows of store tensors: views when contiguous, gathered copies otherwise."""
         if rows == list(range(rows[0], rows[0] + len(rows))):
             return {n: t[rows[0] : rows[0] + len(rows)] for n, t in store.items()}
-        idx = torch.tensor(rows)
+        idx = torch.tensor(rows, device=next(iter(store.values())).device)
         return {n: t.index_select(0, idx) for n, t in store.items()}
 
     def evaluate(self) -> dict[str, float]:

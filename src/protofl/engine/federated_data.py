@@ -111,6 +111,9 @@ def preflight(config: ExperimentConfig) -> None:
     loaded: the data set, its options and root, the backbone and its options, the method and its
     parameters, the mechanism (every range was checked when the config was built).  The names
     are the registries' (no other list of them exists)."""
+    from protofl.models.device import resolve_device
+
+    resolve_device(config.run.device)  # run.device=cuda without a GPU: one line, nothing made
     info = DATASET_REGISTRY.get(config.data.name)
     check_data_options(config.data.name, info.loader, config.data.options)
     if config.data.root is not None and not Path(config.data.root).exists():
@@ -189,6 +192,7 @@ def build_federated_data(
     cache_opts: dict[str, Any] = {
         "use_cache": config.backbone.feature_cache,
         "dtype": config.backbone.feature_dtype,
+        "device": config.run.device,  # where uncached features are encoded
     }
     for d_index, dom in enumerate(domains):
         if len(dom.train) == 0 or len(dom.test) == 0:

@@ -21,7 +21,7 @@ from protofl.engine.federated_data import ClientData, FederatedData
 from protofl.engine.optimizers import make_optimizer
 from protofl.engine.round import (
     RoundMetrics,
-    average_weights,
+    combine_weights,
     missing_classes,
     privacy_status,
     round_metrics,
@@ -32,6 +32,7 @@ from protofl.methods import create_method
 from protofl.methods.base import Batch, ClientState, GlobalState, Method, Upload
 from protofl.models.backbones import backbone_class
 from protofl.models.client import ClientModel
+from protofl.models.device import autocast, describe_device, prepare_device, to_cpu, to_device
 from protofl.privacy import create_mechanism
 from protofl.privacy.base import Mechanism, Release
 from protofl.privacy.guarantee import describe_guarantee
@@ -79,7 +80,15 @@ class Simulation:
         self.upload_hooks = list(upload_hooks)
         # derived (reproducible; whoever holds the config can remove the noise) or secret
         self.noise_mode = resolve_noise_mode(config.privacy.noise_seed, deployment=deployment)
-        self.data = data
+        # run.device: models, optimiser state, client features and the global state live there;
+        # every generator stays on the CPU (what is drawn is moved), and the mechanism releases
+        # on the CPU from the features the device computed (see :meth:`upload`)
+        self.device = prepare_device(config.run.device)
+        self.amp = config.run.amp
+        if self.device.type != "cpu":
+            log.info("computing on %s (%s)", self.device, describe_device(self.device)["name"])
+        self.data = data_on_device(data, self.device)
+        data = self.data
         fed = config.federation
         self.method: Method = create_method(
             config.method.name,
@@ -88,7 +97,10 @@ class Simulation:
             num_domains=len(data.domains),
             proto_dim=config.backbone.proto_dim,
             seed=config.seed,
+            rounds=fed.rounds,
         )
+        # where the method's own server-side training runs (FedTGP's prototypes, MPFT's head)
+        self.method.device = self.device  # type: ignore[attr-defined]
         if self.method.needs_domain and any(c.domain < 0 for c in data.clients):
             raise ValueError(f"method {self.method.name!r} needs every client to report a domain")
         self.mechanism: Mechanism = create_mechanism(
@@ -112,6 +124,7 @@ class Simulation:
                 torch.Generator().manual_seed(init_seed),
                 client=cd.client,
             )
+            model.to(self.device)
             self.frozen_pool.share(model)
             opt = make_optimizer(model.trainable_parameters(), fed)
             dcr = None
@@ -232,10 +245,13 @@ class Simulation:
         self.last_mia = {}
         sent: dict[int, Release | None] = {}
         if self.method.uses_prototypes and chosen:
-            feats = features_of(chosen)
+            # the release is computed on the CPU whatever run.device is: the features the device
+            # computed are copied over, and the mechanism (clipping, prototypes, noise from the
+            # clients' CPU generators) is the CPU code, so a noise key means the same everywhere
+            feats = [f.cpu() for f in features_of(chosen)]
             releases = self.mechanism.release_many(
                 feats,
-                [c.data.train_y for c in chosen],
+                [c.data.train_y.cpu() for c in chosen],
                 num_classes=self.data.num_classes,
                 generators=[c.noise_gen for c in chosen],
                 clients=[c.data.name for c in chosen],
@@ -277,10 +293,22 @@ class Simulation:
                     domain=c.data.domain,
                     release=release,
                     num_samples=self.public_count(c),
+                    extras=self.upload_extras(c),
                 )
             )
         self.releases.append(round_releases)
         return uploads
+
+    def upload_extras(self, c: Client) -> dict[str, torch.Tensor]:
+        """What the method has ``c`` send beside its release (``Method.upload_extras``, in eval
+        mode, no grad): unprotected, listed in the privacy statement."""
+        if not self.method.extra_uploads:
+            return {}
+        c.model.eval()
+        with torch.no_grad():
+            return self.method.upload_extras(
+                c.model, c.data.train_z.float(), c.data.train_y, c.state, c.data.client
+            )
 
     def train_client(self, c: Client) -> float:
         """E local epochs of the method's objective (plus DCR); returns the mean batch loss.
@@ -289,7 +317,9 @@ class Simulation:
         adapters' dropout) draws from a fork of it seeded by (seed, client, round), so runs and
         resumed runs repeat exactly; the global generator is left as it was.
         """
-        with torch.random.fork_rng(devices=[]):
+        # on a GPU its generator is forked too (dropout there draws from it; manual_seed seeds it)
+        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
             torch.manual_seed(
                 derive_seed(self.config.seed, Stream.LOCAL_RNG, c.data.client, self.round)
             )
@@ -304,24 +334,26 @@ class Simulation:
         for _ in range(fed.local_epochs):
             perm = torch.randperm(n, generator=c.train_gen)
             for start in range(0, n, fed.batch_size):
-                idx = perm[start : start + fed.batch_size]
+                idx = perm[start : start + fed.batch_size].to(self.device)
                 z, y = c.data.train_z[idx].float(), c.data.train_y[idx]
-                f_raw = c.model.features(z)
-                f = c.dcr.soft_clip(f_raw) if c.dcr is not None else f_raw
-                logits = c.model.head(f)
-                batch = Batch(
-                    z=z,
-                    y=y,
-                    f=f,
-                    f_raw=f_raw,
-                    logits=logits,
-                    model=c.model,
-                    client=c.data.client,
-                    domain=c.data.domain,
-                )
-                loss = self.method.client_loss(batch, self.global_state, c.state)
-                if c.dcr is not None:
-                    loss = loss + c.dcr.kd_loss(f_raw, logits)
+                with autocast(self.device, self.amp):
+                    f_raw = c.model.features(z)
+                    f = c.dcr.soft_clip(f_raw) if c.dcr is not None else f_raw
+                    logits = c.model.head(f)
+                    batch = Batch(
+                        z=z,
+                        y=y,
+                        f=f,
+                        f_raw=f_raw,
+                        logits=logits,
+                        model=c.model,
+                        client=c.data.client,
+                        domain=c.data.domain,
+                    )
+                    loss = self.method.client_loss(batch, self.global_state, c.state)
+                    if c.dcr is not None:
+                        loss = loss + c.dcr.kd_loss(f_raw, logits)
+                loss = loss.float()
                 if not torch.isfinite(loss):
                     raise FloatingPointError(
                         f"client {c.data.name!r}, round {self.round}: local loss is {loss.item()}"
@@ -346,18 +378,24 @@ class Simulation:
 
     def average_weights(self, active: Sequence[bool] | None = None) -> None:
         """The weights of the clients that trained, combined by ``federation.weight_aggregation``
-        (:func:`protofl.engine.round.average_weights`; FedAvg's sample-weighted mean by
-        default); sent to all."""
+        and the method's :meth:`~protofl.methods.base.Method.weight_plan`
+        (:func:`protofl.engine.round.combine_weights`; FedAvg's sample-weighted mean of every
+        tensor by default); sent to all."""
         fed = self.config.federation
         members = [c for i, c in enumerate(self.clients) if active is None or active[i]]
-        avg = average_weights(
+        counts = [self.public_count(c) for c in members]
+        plan = self.method.weight_plan([c.data.client for c in members], counts)
+        avg = combine_weights(
+            plan,
             [c.model.state_dict() for c in members],
-            [self.public_count(c) for c in members],
+            counts,
             rule=fed.weight_aggregation,
             trim_ratio=fed.weight_trim_ratio,
+            method=self.method.name,
         )
         for c in self.clients:
-            c.model.load_state_dict(avg)
+            # entries the plan keeps local (COPA's heads) are each client's own
+            c.model.load_state_dict(avg, strict=not plan.local)
         self.global_state["__weights_round"] = torch.tensor(self.round)
 
     @torch.no_grad()
@@ -373,7 +411,8 @@ class Simulation:
             for start in range(0, len(c.data.test_y), EVAL_BATCH):
                 z = c.data.test_z[start : start + EVAL_BATCH].float()
                 y = c.data.test_y[start : start + EVAL_BATCH]
-                pred = self.method.predict(c.model, z, self.global_state, c.state)
+                with autocast(self.device, self.amp):
+                    pred = self.method.predict(c.model, z, self.global_state, c.state)
                 correct += int((pred == y).sum())
             out[c.data.name] = correct / max(len(c.data.test_y), 1)
         return out
@@ -392,9 +431,10 @@ class Simulation:
             c.model.eval()
             correct = 0
             for start in range(0, len(y), EVAL_BATCH):
-                pred = self.method.predict(
-                    c.model, z[start : start + EVAL_BATCH].float(), self.global_state, c.state
-                )
+                with autocast(self.device, self.amp):
+                    pred = self.method.predict(
+                        c.model, z[start : start + EVAL_BATCH].float(), self.global_state, c.state
+                    )
                 correct += int((pred == y[start : start + EVAL_BATCH]).sum())
             accs.append(correct / max(len(y), 1))
         return float(np.mean(accs))
@@ -405,7 +445,7 @@ class Simulation:
         active = self.select_participants()
         uploads = self.collect_uploads(active)
         accepted, rejected = self.validate(uploads)
-        self.global_state = self.method.aggregate(accepted, self.round)
+        self.global_state = to_device(self.method.aggregate(accepted, self.round), self.device)
         missing = self.missing_classes(accepted)
         losses = self.train_active([c for c, a in zip(self.clients, active) if a])
         if self.method.shares_weights and any(active):
@@ -470,6 +510,7 @@ class Simulation:
             clustered=self.method.cluster_fn() is not None,
             shares_weights=self.method.shares_weights,
             uses_prototypes=self.method.uses_prototypes,
+            other_uploads=self.method.extra_uploads,
         )
 
     def run(
@@ -485,9 +526,16 @@ class Simulation:
 
     # ----- checkpoint state ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly: models, optimisers, RNGs, ledgers, history."""
+        """Everything needed to continue exactly: models, optimisers, RNGs, ledgers, history.
+
+        Tensors are CPU copies whatever ``run.device`` is (a checkpoint loads on any machine);
+        ``device`` records where the run computed."""
+        return to_cpu(self._state_dict())
+
+    def _state_dict(self) -> dict[str, Any]:
         return {
             "round": self.round,
+            "device": str(self.device),
             "method": self.method.state_dict(),
             "mechanism": self.mechanism.state_dict(),
             "global_state": self.global_state,
@@ -516,10 +564,20 @@ class Simulation:
                 f"checkpoint has {len(state['clients'])} clients, the config builds "
                 f"{len(self.clients)}"
             )
+        # checkpoints written before run.device existed computed on the CPU
+        previous = str(state.get("device", "cpu"))
+        if previous != str(self.device):
+            log.warning(
+                "resuming a run that computed on %s on %s: results after round %d can differ "
+                "from an uninterrupted run by float rounding (docs/performance.md, GPU)",
+                previous,
+                self.device,
+                int(state["round"]),
+            )
         self.round = int(state["round"])
         self.method.load_state_dict(state["method"])
         self.mechanism.load_state_dict(state["mechanism"])
-        self.global_state = dict(state["global_state"])
+        self.global_state = to_device(dict(state["global_state"]), self.device)
         self.server_gen.set_state(state["server_gen"])
         self.public_counts = {int(k): int(v) for k, v in state.get("public_counts", {}).items()}
         self.history = [RoundMetrics.from_json(m) for m in state["history"]]
@@ -527,12 +585,42 @@ class Simulation:
         for c, cs in zip(self.clients, state["clients"]):
             c.model.load_state_dict(cs["model"])
             c.optimizer.load_state_dict(cs["optimizer"])
-            c.state.tensors = dict(cs["state"])
+            c.state.tensors = to_device(dict(cs["state"]), self.device)
             c.ledger.load_state_dict(cs["ledger"])
             c.train_gen.set_state(cs["train_gen"])
             c.noise_gen.set_state(cs["noise_gen"])
             if c.dcr is not None:
                 c.dcr.load_state_dict(cs["dcr"])
+
+
+def data_on_device(data: FederatedData, device: torch.device) -> FederatedData:
+    """``data`` with every client's features and labels on ``device`` (itself on the CPU: the
+    memory-mapped cache stays mapped).  A tensor several clients share (their domain's test set)
+    is copied once."""
+    if device.type == "cpu":
+        return data
+    moved: dict[int, torch.Tensor] = {}
+
+    def on(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in moved:
+            moved[id(t)] = t.to(device)
+        return moved[id(t)]
+
+    clients = [
+        replace(
+            cd,
+            train_z=on(cd.train_z),
+            train_y=on(cd.train_y),
+            test_z=on(cd.test_z),
+            test_y=on(cd.test_y),
+        )
+        for cd in data.clients
+    ]
+    holdout = None
+    if data.holdout is not None:
+        name, hz, hy = data.holdout
+        holdout = (name, on(hz), on(hy))
+    return replace(data, clients=clients, holdout=holdout)
 
 
 def release_to_dict(release: Release | None) -> dict[str, Any] | None:

@@ -133,6 +133,8 @@ class FedTGP(Method):
     """
 
     name = "fedtgp"
+    #: where the server-side training runs (the engine sets it from run.device)
+    device: torch.device = torch.device("cpu")
     defaults: ClassVar[dict[str, Any]] = {
         "lam": 1.0,
         "margin_cap": 100.0,
@@ -187,31 +189,39 @@ class FedTGP(Method):
         x, y = stack_uploads(uploads, self.proto_dim)
         if len(y) == 0:
             return {}
-        tgp = self.build_generator()
         margin = adaptive_margin(x, y, self.num_classes, float(self.params["margin_cap"]))
+        # the server's training runs on run.device (the engine sets self.device); the batch
+        # order is drawn on the CPU, so it is the same on every device
+        device = self.device
+        tgp = self.build_generator().to(device)
+        x, y = x.to(device), y.to(device)
         epochs = int(self.server_setting("server_epochs"))
         batch = int(self.server_setting("server_batch"))
         opt = torch.optim.SGD(tgp.parameters(), lr=self.server_setting("server_lr"))
         gen = method_generator(self.seed, int(self.params["seed"]), 7, round_index)
-        all_classes = torch.arange(self.num_classes)
+        all_classes = torch.arange(self.num_classes, device=device)
         tgp.train()
         with single_thread():
             for _ in range(epochs):
                 perm = torch.randperm(len(y), generator=gen)
                 for start in range(0, len(y), batch):
-                    idx = perm[start : start + batch]
+                    idx = perm[start : start + batch].to(device)
                     loss = margin_loss(tgp(all_classes), x[idx], y[idx], margin)
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
                     opt.step()
         self.server_state = {
-            self.PREFIX + k: v.detach().clone() for k, v in tgp.state_dict().items()
+            self.PREFIX + k: v.detach().cpu().clone() for k, v in tgp.state_dict().items()
         }
         classes = torch.unique(y)
         tgp.eval()
         with torch.no_grad():
             protos = tgp(classes)
-        return {"prototypes": protos, "classes": classes, "margin": torch.tensor(margin)}
+        return {
+            "prototypes": protos.cpu(),
+            "classes": classes.cpu(),
+            "margin": torch.tensor(margin),
+        }
 
     # ----- client -------------------------------------------------------------------------
     def objective(self) -> LocalObjective:

@@ -74,6 +74,8 @@ class MPFT(Method):
     """Server-side fine-tuning on released prototypes, then client distillation from it."""
 
     name = "mpft"
+    #: where the server-side training runs (the engine sets it from run.device)
+    device: torch.device = torch.device("cpu")
     defaults: ClassVar[dict[str, Any]] = {
         "beta": 0.3,
         "temperature": 4.0,
@@ -151,7 +153,11 @@ class MPFT(Method):
         x, y = stack_uploads(uploads, self.proto_dim)
         if len(y) == 0:
             return {}
-        model = self.build_server_model()
+        # the server's fine-tuning runs on run.device (the engine sets self.device); the
+        # batch order is drawn on the CPU, so it is the same on every device
+        device = self.device
+        model = self.build_server_model().to(device)
+        x, y = x.to(device), y.to(device)
         p = self.params
         opt = torch.optim.SGD(
             model.parameters(),
@@ -166,12 +172,14 @@ class MPFT(Method):
             for _ in range(int(p["server_epochs"])):
                 perm = torch.randperm(len(y), generator=gen)
                 for start in range(0, len(y), batch):
-                    idx = perm[start : start + batch]
+                    idx = perm[start : start + batch].to(device)
                     loss = F.cross_entropy(model(x[idx]), y[idx])
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
                     opt.step()
-        self.server_state = {PREFIX + k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.server_state = {
+            PREFIX + k: v.detach().cpu().clone() for k, v in model.state_dict().items()
+        }
         out: GlobalState = {k: v.clone() for k, v in self.server_state.items()}
-        out["classes"] = torch.unique(y)
+        out["classes"] = torch.unique(y).cpu()
         return out

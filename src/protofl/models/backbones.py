@@ -229,11 +229,34 @@ class FrozenBackbone(ABC):
             )
         return x
 
+    def to(self, device: torch.device | str) -> FrozenBackbone:
+        """Move the frozen network (every module and tensor this backbone holds) to ``device``;
+        returns self."""
+        device = torch.device(device)
+        if getattr(self, "_device", torch.device("cpu")) != device:
+            from protofl.models.device import move_attributes
+
+            move_attributes(self, device)
+            self._device = device
+        return self
+
     @torch.inference_mode()
-    def encode(self, images: np.ndarray, *, batch_size: int = 256) -> torch.Tensor:
-        """Encode uint8 images in batches; returns float32 [N, feature_dim]."""
+    def encode(
+        self,
+        images: np.ndarray,
+        *,
+        batch_size: int = 256,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """Encode uint8 images in batches; returns float32 [N, feature_dim] on the CPU.
+
+        With a ``device`` the network runs there (each batch is preprocessed on the CPU, moved,
+        encoded and brought back)."""
+        if device is not None:
+            self.to(device)
+        dev = getattr(self, "_device", torch.device("cpu"))
         outs = [
-            self.encode_batch(self.preprocess(images[i : i + batch_size])).float()
+            self.encode_batch(self.preprocess(images[i : i + batch_size]).to(dev)).float().cpu()
             for i in range(0, len(images), batch_size)
         ]
         if not outs:

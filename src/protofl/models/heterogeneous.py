@@ -425,9 +425,15 @@ class HtC4(FrozenBackbone):
         """The base backbone's."""
         return self.inner.encode_batch(images)
 
-    def encode(self, images: np.ndarray, *, batch_size: int = 256) -> torch.Tensor:
+    def encode(
+        self,
+        images: np.ndarray,
+        *,
+        batch_size: int = 256,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
         """The base backbone's (text backbones included)."""
-        return self.inner.encode(images, batch_size=batch_size)
+        return self.inner.encode(images, batch_size=batch_size, device=device)
 
     @classmethod
     def client_model(

@@ -110,7 +110,10 @@ def random_crop_flip(
     rows = oy[:, None] + torch.arange(h)[None, :]  # [B, H]
     cols = ox[:, None] + torch.arange(w)[None, :]  # [B, W]
     cols = torch.where(flip[:, None], cols.flip(1), cols)
-    bidx = torch.arange(b)[:, None, None]
+    # drawn on the CPU generator (the same crops on every device), applied where x lives
+    dev = x.device
+    rows, cols = rows.to(dev), cols.to(dev)
+    bidx = torch.arange(b, device=dev)[:, None, None]
     out = padded.permute(0, 2, 3, 1)[bidx, rows[:, :, None], cols[:, None, :]]  # [B, H, W, C]
     return out.permute(0, 3, 1, 2).contiguous()
 

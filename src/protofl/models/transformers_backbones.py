@@ -717,6 +717,8 @@ class TextEncoderBackbone(FrozenBackbone):
         batch = enc.tokenizer(
             texts, padding=True, truncation=True, max_length=enc.max_length, return_tensors="pt"
         )
+        dev = getattr(self, "_device", torch.device("cpu"))
+        batch = {k: v.to(dev) for k, v in batch.items()}
         out = enc.model(**batch)
         hidden: torch.Tensor = out.last_hidden_state
         if self.pool == "cls":
@@ -726,10 +728,19 @@ class TextEncoderBackbone(FrozenBackbone):
             pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
         if enc.normalize:
             pooled = F.normalize(pooled, p=2, dim=1)
-        return pooled.float()
+        return pooled.float().cpu()
 
-    def encode(self, images: np.ndarray, *, batch_size: int = 64) -> torch.Tensor:
-        """Encode a 1-D array of strings in length-sorted batches; float32 [N, hidden]."""
+    def encode(
+        self,
+        images: np.ndarray,
+        *,
+        batch_size: int = 64,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """Encode a 1-D array of strings in length-sorted batches; float32 [N, hidden] (on the
+        CPU; with a ``device`` the encoder runs there)."""
+        if device is not None:
+            self.to(device)
         texts = as_texts(images, self.name)
         if not texts:
             return torch.zeros(0, self.feature_dim)

@@ -1,0 +1,131 @@
+"""The simulator on run.device: releases from CPU generators, CPU checkpoints, bf16 autocast."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from protofl.engine.batched import BatchedTrainer
+from protofl.engine.federated_data import build_federated_data
+from protofl.engine.simulation import Simulation
+from protofl.methods.checks import tiny_config
+
+
+def _sim(device: str = "auto", amp: str = "none", mechanism: str = "vpdr", **extra: Any) -> Any:
+    cfg = tiny_config("fedproto", mechanism, rounds=2, clients_per_domain=2)
+    over = [f"run.device={device}", f"run.amp={amp}", *(f"{k}={v}" for k, v in extra.items())]
+    cfg = cfg.with_overrides(over)
+    return Simulation(cfg, build_federated_data(cfg, _home()))
+
+
+def _home() -> Any:
+    from protofl.data.cache import protofl_home
+
+    return protofl_home()
+
+
+def _releases(sim: Simulation) -> list[list[torch.Tensor]]:
+    return [[r.prototypes for r in rr if r is not None] for rr in sim.releases]
+
+
+def test_device_cpu_and_the_default_give_bitwise_equal_releases() -> None:
+    runs = []
+    for device in ("cpu", "auto"):
+        sim = _sim(device)
+        sim.run()
+        runs.append(sim)
+    a, b = runs
+    assert a.device == torch.device("cpu")
+    for ra, rb in zip(_releases(a), _releases(b)):
+        for pa, pb in zip(ra, rb):
+            assert torch.equal(pa, pb)  # bitwise
+    assert [h.avg_acc for h in a.history] == [h.avg_acc for h in b.history]
+    assert a.privacy_status() == b.privacy_status()
+
+
+def _spy_round(sim: Simulation) -> list[tuple[set[str], set[str]]]:
+    """One round, recording the devices of what the mechanism was handed."""
+    seen: list[tuple[set[str], set[str]]] = []
+    release_many = sim.mechanism.release_many
+
+    def spy(features: Any, labels: Any, **kw: Any) -> Any:
+        gens = kw["generators"]
+        seen.append(({f.device.type for f in features}, {g.device.type for g in gens}))
+        return release_many(features, labels, **kw)
+
+    sim.mechanism.release_many = spy  # type: ignore[method-assign]
+    sim.run_round()
+    return seen
+
+
+def test_the_mechanism_gets_cpu_features_and_draws_from_cpu_generators() -> None:
+    for execution in ("sequential", "batched"):
+        sim = _sim(**{"federation.execution": execution})
+        assert _spy_round(sim) == [({"cpu"}, {"cpu"})]
+        assert all(c.noise_gen.device.type == "cpu" for c in sim.clients)
+        assert all(c.train_gen.device.type == "cpu" for c in sim.clients)
+
+
+def test_noise_is_the_cpu_generators_draw() -> None:
+    sim = _sim(mechanism="igpp")
+    clip = sim.config.privacy.clip
+    before = [c.noise_gen.get_state() for c in sim.clients]
+    feats = sim.upload_features(sim.clients)  # round 1 releases the untrained models' features
+    sim.run_round()
+    for c, f, state, release in zip(sim.clients, feats, before, sim.releases[0]):
+        assert release is not None
+        replay = torch.Generator()
+        replay.set_state(state)
+        noise = torch.randn(release.prototypes.shape, generator=replay)
+        clipped = f * (clip / f.norm(dim=1, keepdim=True)).clamp(max=1.0)
+        means = torch.stack([clipped[c.data.train_y == k].mean(dim=0) for k in release.classes])
+        torch.testing.assert_close(
+            release.prototypes, means + noise * release.noise_std, atol=1e-5, rtol=1e-5
+        )
+
+
+def test_checkpoints_hold_cpu_tensors_and_record_the_device(caplog: Any) -> None:
+    sim = _sim()
+    sim.run_round()
+    state = sim.state_dict()
+    assert state["device"] == "cpu"
+
+    def tensors(value: Any) -> list[torch.Tensor]:
+        if isinstance(value, torch.Tensor):
+            return [value]
+        if isinstance(value, dict):
+            return [t for v in value.values() for t in tensors(v)]
+        if isinstance(value, (list, tuple)):
+            return [t for v in value for t in tensors(v)]
+        return []
+
+    assert {t.device.type for t in tensors(state)} == {"cpu"}
+    # a checkpoint from before run.device (no key) loads silently; another device warns
+    old = dict(state)
+    del old["device"]
+    fresh = _sim()
+    with caplog.at_level(logging.WARNING, logger="protofl.engine.simulation"):
+        fresh.load_state_dict(old)
+    assert not caplog.records
+    elsewhere = dict(state, device="cuda:0")
+    with caplog.at_level(logging.WARNING, logger="protofl.engine.simulation"):
+        _sim().load_state_dict(elsewhere)
+    assert "computed on cuda:0" in caplog.text
+    fresh.run_round()
+    sim.run_round()
+    assert fresh.history[-1].avg_acc == sim.history[-1].avg_acc
+
+
+def test_bf16_autocast_trains_sequentially_and_batched_falls_back(caplog: Any) -> None:
+    plain, bf16 = _sim(), _sim(amp="bf16")
+    plain.run()
+    bf16.run()
+    assert all(torch.isfinite(torch.tensor(h.train_loss)) for h in bf16.history)
+    # bf16 rounding changes the numbers, not the outcome
+    assert abs(bf16.history[-1].avg_acc - plain.history[-1].avg_acc) < 0.15
+    batched = _sim(amp="bf16", **{"federation.execution": "batched"})
+    with caplog.at_level(logging.INFO, logger="protofl.engine.batched"):
+        trainer = BatchedTrainer(batched)
+    assert not trainer.supported and "run.amp=bf16 is not batched" in caplog.text
