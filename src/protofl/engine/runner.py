@@ -81,6 +81,19 @@ def environment() -> dict[str, Any]:
     }
 
 
+def device_facts(device: torch.device) -> dict[str, Any]:
+    """The resolved ``run.device`` as the run records it: ``device`` (``cpu``, ``cuda:0``) and,
+    on a GPU, its name and whether torch's deterministic algorithms were on."""
+    from protofl.models.device import describe_device
+
+    info = describe_device(device)
+    out: dict[str, Any] = {"device": info["device"]}
+    if device.type == "cuda":
+        out["device_name"] = info["name"]
+        out["deterministic_algorithms"] = info["deterministic_algorithms"]
+    return out
+
+
 def run_experiment(
     config: ExperimentConfig,
     *,
@@ -395,7 +408,8 @@ def _execute(
                     extensions,
                 ),
                 "units": "accuracies are fractions in [0, 1]; tables show percentages",
-                "environment": environment(),
+                # where it computed (run.device resolved on this machine; docs/performance.md)
+                "environment": {**environment(), **device_facts(sim.device)},
             }
         )
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
