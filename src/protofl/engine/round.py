@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from protofl.config import WEIGHT_RULES, FederationConfig
-from protofl.methods.base import Upload
+from protofl.methods.base import Upload, WeightPlan
 from protofl.methods.validation import validate_upload
 from protofl.privacy.ledger import PrivacyLedger
 
@@ -190,6 +190,35 @@ def average_weights(
             value = ordered[cut : len(states) - cut].mean(dim=0)
         out[k] = value.to(first[k].dtype)
     return out
+
+
+def combine_weights(
+    plan: WeightPlan,
+    states: Sequence[Mapping[str, torch.Tensor]],
+    counts: Sequence[float],
+    *,
+    rule: str = "mean",
+    trim_ratio: float = 0.2,
+    method: str = "method",
+) -> dict[str, torch.Tensor]:
+    """The members' weights combined as the method's :class:`WeightPlan` says: the entries
+    every client loads (those under ``plan.local`` are left out: each client keeps its own),
+    averaged by :func:`average_weights` with the plan's coefficients, or ``counts`` (FedAvg)."""
+    weights: Sequence[float] = counts
+    if plan.coefficients is not None:
+        if len(plan.coefficients) != len(states):
+            raise ValueError(
+                f"method {method!r} gave {len(plan.coefficients)} aggregation weights for "
+                f"{len(states)} clients"
+            )
+        if rule != "mean":
+            raise ValueError(
+                f"method {method!r} chooses its own aggregation weights, which "
+                f"federation.weight_aggregation={rule!r} ignores; use mean"
+            )
+        weights = plan.coefficients
+    shared = [{k: v for k, v in s.items() if not plan.keeps_local(k)} for s in states]
+    return average_weights(shared, weights, rule=rule, trim_ratio=trim_ratio)
 
 
 # ----- 4. metrics and privacy status ------------------------------------------------------------

@@ -10,8 +10,14 @@ A method never runs an engine loop. The engine (``protofl.engine``) calls, per r
    objective is cross-entropy plus declared terms says so in ``objective`` (see
    :mod:`protofl.methods.objectives`) and the default ``client_loss`` runs it; the batched
    executor runs the same declaration for many clients at once;
-4. if ``shares_weights``, the engine averages the trainable weights (``weight_average``);
+4. if ``shares_weights``, the engine combines the trained weights as ``weight_plan`` says
+   (default: FedAvg's sample-weighted mean of every tensor, sent to all);
 5. ``predict`` on each client's test set (the default runs the declared ``prediction`` rule).
+
+A method that needs more from a client than its release and weights (a loss value, input
+statistics, a classifier head) says so in ``extra_uploads`` and computes it in
+``upload_extras``; it travels in :attr:`Upload.extras` to ``aggregate`` (the server), outside
+the privacy mechanism, and the run's privacy statement lists it as not covered.
 
 A subclass that overrides ``client_loss`` (or ``predict``) without also declaring
 ``objective`` (``prediction``) has its own arithmetic: the inherited declaration is dropped, so
@@ -52,6 +58,25 @@ class Upload:
     release: Release | None
     num_samples: int
     weights: dict[str, torch.Tensor] | None = None
+    # what ``Method.upload_extras`` computed (outside the mechanism, not covered by the DP claim)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """How the server combines one round's trained weights (``Method.weight_plan``).
+
+    ``coefficients``: one per member, in the members' order, for the ``mean`` rule (None: the
+    public sample counts, i.e. FedAvg); the engine normalises them to sum 1.  ``local``:
+    state-dict key prefixes that are not averaged: each client keeps its own (COPA's heads).
+    """
+
+    coefficients: tuple[float, ...] | None = None
+    local: tuple[str, ...] = ()
+
+    def keeps_local(self, key: str) -> bool:
+        """Whether the state-dict entry ``key`` stays each client's own."""
+        return any(key.startswith(prefix) for prefix in self.local)
 
 
 @dataclass
@@ -88,6 +113,9 @@ class Method:
     shares_weights: bool = False
     needs_domain: bool = False
     eval_modes: ClassVar[tuple[str, ...]] = ("classifier",)
+    extra_uploads: ClassVar[tuple[str, ...]] = ()
+    """What ``upload_extras`` sends beside the release and the weights, in words (one entry
+    per item, ``"name: what it is"``): the privacy statement lists each as not covered."""
 
     def __init__(
         self,
@@ -97,6 +125,7 @@ class Method:
         num_domains: int,
         proto_dim: int,
         seed: int = 0,
+        rounds: int | None = None,
     ) -> None:
         params = dict(params or {})
         allowed = {**self.defaults, "eval": self.eval_modes[0]}
@@ -117,6 +146,8 @@ class Method:
         self.proto_dim = proto_dim
         # the experiment seed: every server-side random choice derives from it
         self.seed = int(seed)
+        # the run's number of rounds R where the engine knows it (FedGA's step-size decay)
+        self.rounds = None if rounds is None else int(rounds)
         self.server_state: dict[str, torch.Tensor] = {}
         self.validate()
 
@@ -168,6 +199,14 @@ class Method:
         """Features whose prototypes are released (default: the adapter feature f)."""
         return model.features(z)
 
+    def upload_extras(
+        self, model: ClientModel, z: torch.Tensor, y: torch.Tensor, state: ClientState, client: int
+    ) -> dict[str, torch.Tensor]:
+        """What this client sends beside its release at the start of a round (eval mode, no
+        grad; ``z, y``: its training data), declared in ``extra_uploads``.  It reaches the
+        server unprotected.  Default: nothing."""
+        return {}
+
     def begin_local(
         self, model: ClientModel, state: ClientState, global_state: GlobalState, client: int
     ) -> None:
@@ -206,6 +245,12 @@ class Method:
         """Uploads -> global state (default: nothing shared)."""
         return {}
 
+    def weight_plan(self, clients: Sequence[int], counts: Sequence[float]) -> WeightPlan:
+        """How the engine combines the trained weights of ``clients`` (this round's members,
+        with their public sample ``counts``) for a weight-sharing method.  Default: FedAvg of
+        every tensor with the counts (:class:`WeightPlan` ``()``)."""
+        return WeightPlan()
+
     # ----- evaluation -----------------------------------------------------------------------
     def predict(
         self,
@@ -242,12 +287,19 @@ def create_method(
     num_domains: int,
     proto_dim: int,
     seed: int = 0,
+    rounds: int | None = None,
 ) -> Method:
     """Instantiate a registered method with validated parameters; ``seed`` is the experiment
-    seed (server-side randomness of FedTGP, MPFT, ... derives from it)."""
+    seed (server-side randomness of FedTGP, MPFT, ... derives from it), ``rounds`` the run's
+    number of rounds where known."""
     cls = METHOD_REGISTRY.get(name)
     return cls(
-        params, num_classes=num_classes, num_domains=num_domains, proto_dim=proto_dim, seed=seed
+        params,
+        num_classes=num_classes,
+        num_domains=num_domains,
+        proto_dim=proto_dim,
+        seed=seed,
+        rounds=rounds,
     )
 
 

@@ -55,6 +55,9 @@ def _validate(
         for key, value in upload.weights.items():
             if not isinstance(value, torch.Tensor) or not torch.isfinite(value).all():
                 return f"weight {key!r} is not a finite tensor"
+    for key, value in getattr(upload, "extras", {}).items():
+        if not isinstance(value, torch.Tensor) or not torch.isfinite(value).all():
+            return f"extra upload {key!r} is not a finite tensor"
     r = upload.release
     if r is None:
         return None

@@ -7,6 +7,7 @@ client that the guarantee does not cover, so it is never read as stronger than w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from protofl.privacy.config import PrivacyConfig
@@ -37,15 +38,19 @@ def describe_guarantee(
     clustered: bool = False,
     shares_weights: bool = False,
     uses_prototypes: bool = True,
+    other_uploads: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The per-client guarantee of a run, with what it does not cover.
 
     ``noise_key``: the resolved mode (``derived``/``secret``); ``clustered``: releases are per
-    data-dependent cluster; ``shares_weights``: the method uploads model weights.
+    data-dependent cluster; ``shares_weights``: the method uploads model weights;
+    ``other_uploads``: what else the method sends outside the mechanism (``"name: what"``
+    each, a method's ``extra_uploads``), computed from the private data and not covered.
     """
     gaps: list[str] = []
     if shares_weights:
         gaps.append(WEIGHTS_GAP)
+    gaps += [f"{item} (sent without noise)" for item in other_uploads]
     if config.base_mechanism == "none" or not uses_prototypes:
         return {
             "epsilon": None,

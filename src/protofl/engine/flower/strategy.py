@@ -55,12 +55,12 @@ from protofl.engine.flower.codec import (
 )
 from protofl.engine.round import (
     RoundMetrics,
-    average_weights,
+    combine_weights,
     privacy_status,
     round_metrics,
     select_participants,
 )
-from protofl.methods import create_method
+from protofl.methods import METHOD_REGISTRY, create_method
 from protofl.methods.base import GlobalState, Method, Upload
 from protofl.methods.validation import validate_upload
 from protofl.privacy import create_mechanism
@@ -122,6 +122,14 @@ class ProtoStrategy(Strategy):
         diagnostics: bool = False,
     ) -> None:
         self.config = config
+        extras = METHOD_REGISTRY.get(config.method.name).extra_uploads
+        if extras:
+            raise ValueError(
+                f"method {config.method.name!r} has its clients upload "
+                + "; ".join(e.split(":")[0] for e in extras)
+                + " beside their weights, which the Flower engine does not carry; "
+                "use run.engine=sim"
+            )
         # accept the clients' local-only diagnostics record (protofl's own simulation only)
         self.diagnostics = diagnostics
         # every record.key the server received, per phase (the run record of what left clients)
@@ -545,6 +553,7 @@ class ProtoStrategy(Strategy):
                     num_domains=num_domains,
                     proto_dim=self.config.backbone.proto_dim,
                     seed=self.config.seed,
+                    rounds=self.config.federation.rounds,
                 )
             elif (num_clients, num_classes) != (self.num_clients, self.num_classes):
                 log.warning(
@@ -685,16 +694,21 @@ class ProtoStrategy(Strategy):
         self._log.add(phase, node, node.node_id, reason)
 
     def _average_weights(self, members: Sequence[tuple[int, Upload]]) -> dict[str, torch.Tensor]:
-        """:func:`protofl.engine.round.average_weights` in partition order, as the simulator."""
+        """:func:`protofl.engine.round.combine_weights` with the method's weight plan, in
+        partition order, as the simulator."""
+        assert self.method is not None
         ups = [u for _, u in members]
         keys = set(ups[0].weights or {})
         ok = [u for u in ups if set(u.weights or {}) == keys]
         fed = self.config.federation
-        return average_weights(
+        counts = [u.num_samples for u in ok]
+        return combine_weights(
+            self.method.weight_plan([u.client for u in ok], counts),
             [u.weights or {} for u in ok],
-            [u.num_samples for u in ok],
+            counts,
             rule=fed.weight_aggregation,
             trim_ratio=fed.weight_trim_ratio,
+            method=self.method.name,
         )
 
     def _round_metrics(self, rnd: int, wall_s: float) -> RoundMetrics:
@@ -730,6 +744,7 @@ class ProtoStrategy(Strategy):
             clustered=self.method is not None and self.method.cluster_fn() is not None,
             shares_weights=self.method is not None and self.method.shares_weights,
             uses_prototypes=self.method is None or self.method.uses_prototypes,
+            other_uploads=() if self.method is None else self.method.extra_uploads,
         )
         out["noise_key_per_client"] = per_client
         return out
