@@ -88,9 +88,21 @@ class DataConfig:
     fraction_unit: str | None = None
     holdout_domain: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    # hold out this share of every client's training data (stratified, seeded) and evaluate on
+    # it instead of the test set, which is then never read (model selection); None: test
+    validation_fraction: float | None = None
 
     def __post_init__(self) -> None:
         check_range("data.train_fraction", self.train_fraction, low=0.0, high=1.0, low_open=True)
+        if self.validation_fraction is not None:
+            check_range(
+                "data.validation_fraction",
+                self.validation_fraction,
+                low=0.0,
+                high=1.0,
+                low_open=True,
+                high_open=True,
+            )
         check_range("data.clients_per_domain", self.clients_per_domain, low=1)
         check_choice("data.partition", self.partition, ("domain", "dirichlet"))
         check_range("data.dirichlet_alpha", self.dirichlet_alpha, low=0.0, low_open=True)

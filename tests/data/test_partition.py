@@ -3,7 +3,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from protofl.data.partition import PartitionError, dirichlet_split, equal_shards, subsample
+from protofl.data.partition import (
+    PartitionError,
+    dirichlet_split,
+    equal_shards,
+    subsample,
+    validation_split,
+)
 
 
 def test_subsample_is_stratified_and_deterministic() -> None:
@@ -41,3 +47,17 @@ def test_dirichlet_split_respects_minimum_and_fails_with_numbers() -> None:
         dirichlet_split(idx, labels, 8, 0.01, np.random.default_rng(0), min_size=60, max_tries=5)
     with pytest.raises(PartitionError, match="cannot give 20 clients"):
         dirichlet_split(idx[:10], labels[:10], 20, 1.0, np.random.default_rng(0))
+
+
+def test_validation_split_is_stratified_and_keeps_a_training_sample() -> None:
+    labels = np.array([0] * 10 + [1] * 4 + [2])
+    train, val = validation_split(labels, 0.5, np.random.default_rng(0))
+    assert np.bincount(labels[val], minlength=3).tolist() == [5, 2, 0]  # class 2 keeps its one
+    assert sorted([*train, *val]) == list(range(len(labels)))
+
+
+def test_validation_split_refuses_a_fraction_that_holds_out_nothing() -> None:
+    with pytest.raises(PartitionError, match="holds out none"):
+        validation_split(np.array([0, 1, 2]), 0.2, np.random.default_rng(0))
+    with pytest.raises(PartitionError, match=r"must lie in \(0, 1\)"):
+        validation_split(np.array([0, 0]), 1.0, np.random.default_rng(0))

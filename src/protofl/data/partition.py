@@ -31,6 +31,32 @@ def subsample(
     return out
 
 
+def validation_split(
+    labels: np.ndarray, fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Positions ``(train, validation)`` of a stratified random split of ``labels``.
+
+    Each class gives ``round(fraction * n_c)`` of its ``n_c`` samples to validation, but keeps at
+    least one for training; both parts are sorted. Raises :class:`PartitionError` when nothing is
+    left for validation.
+    """
+    if not 0 < fraction < 1:
+        raise PartitionError(f"validation fraction={fraction} must lie in (0, 1)")
+    held: list[np.ndarray] = []
+    for c in np.unique(labels):
+        idx = np.flatnonzero(labels == c)
+        k = min(round(fraction * len(idx)), len(idx) - 1)
+        if k > 0:
+            held.append(rng.choice(idx, size=k, replace=False))
+    if not held:
+        raise PartitionError(
+            f"a validation fraction of {fraction} of {len(labels)} samples holds out none"
+        )
+    val = np.sort(np.concatenate(held))
+    train = np.setdiff1d(np.arange(len(labels)), val)
+    return train, val
+
+
 def equal_shards(
     indices: np.ndarray, num_clients: int, rng: np.random.Generator
 ) -> list[np.ndarray]:

@@ -17,7 +17,13 @@ from protofl.config import ExperimentConfig
 from protofl.data import DATASET_REGISTRY
 from protofl.data.base import MultiDomainDataset
 from protofl.data.features import cached_features
-from protofl.data.partition import dirichlet_split, equal_shards, subsample
+from protofl.data.partition import (
+    PartitionError,
+    dirichlet_split,
+    equal_shards,
+    subsample,
+    validation_split,
+)
 from protofl.methods import create_method
 from protofl.models.backbones import FrozenBackbone, backbone_class, check_backbone_options
 from protofl.privacy import MECHANISM_REGISTRY
@@ -25,10 +31,15 @@ from protofl.seeding import DATA_TAG
 
 log = logging.getLogger(__name__)
 
+VALIDATION_KEY = 0x7A1
+"""Key of the validation split's seed path ``(seed, DATA_TAG, VALIDATION_KEY, client)``."""
+
 
 @dataclass
 class ClientData:
-    """One client's cached training representation and its domain's test set."""
+    """One client's cached training representation and its domain's test set (with
+    ``data.validation_fraction``: the client's own validation part of its training data, in
+    ``test_z``/``test_y``; the test set is not read)."""
 
     client: int
     name: str
@@ -166,8 +177,15 @@ def build_federated_data(
     backbone: FrozenBackbone | None = None,
     dataset: MultiDomainDataset | None = None,
 ) -> FederatedData:
-    """Subsample each domain's train split, assign clients, and encode with the cached backbone."""
+    """Subsample each domain's train split, assign clients, and encode with the cached backbone.
+
+    With ``data.validation_fraction`` every client's training rows are split (stratified, seeded
+    by the experiment seed and the client) into training and validation, and the validation rows
+    take the test set's place: no test image is encoded or read, and there is no held-out
+    domain evaluation. The draws that choose the training rows are the same as without it.
+    """
     dcfg = config.data
+    validation = dcfg.validation_fraction
     # the backbone's name and options are checked before any data is loaded
     backbone_cls = backbone_class(config.backbone) if backbone is None else None
     dataset = dataset or load_dataset(config, home)
@@ -215,16 +233,19 @@ def build_federated_data(
         if dcfg.max_test_per_domain is not None and len(test_idx) > dcfg.max_test_per_domain:
             test_idx = np.sort(rng.choice(test_idx, dcfg.max_test_per_domain, replace=False))
         train_images = dom.train.images[train_idx]
-        test_images = dom.test.images[test_idx]
         train_z = cached_features(
             home, backbone, dataset.name, dom.name, "train", train_images, **cache_opts
         )
-        test_z = cached_features(
-            home, backbone, dataset.name, dom.name, "test", test_images, **cache_opts
-        )
         train_y_all = dom.train.labels[train_idx].astype(np.int64)
-        test_y = torch.from_numpy(dom.test.labels[test_idx].astype(np.int64))
-        for labels, name in ((train_y_all, "train"), (test_y.numpy(), "test")):
+        checked = [(train_y_all, "train")]
+        if validation is None:
+            test_images = dom.test.images[test_idx]
+            test_z = cached_features(
+                home, backbone, dataset.name, dom.name, "test", test_images, **cache_opts
+            )
+            test_y = torch.from_numpy(dom.test.labels[test_idx].astype(np.int64))
+            checked.append((test_y.numpy(), "test"))
+        for labels, name in checked:
             bad = (labels < 0) | (labels >= dataset.num_classes)
             if bad.any():
                 raise ValueError(
@@ -245,10 +266,25 @@ def build_federated_data(
             shards = equal_shards(local, k, rng)
         for j, shard in enumerate(shards):
             cid = len(clients)
+            name = dom.name if k == 1 else f"{dom.name}-{j}"
+            if validation is not None:
+                split_rng = np.random.default_rng(
+                    np.random.SeedSequence([config.seed, DATA_TAG, VALIDATION_KEY, cid])
+                )
+                try:
+                    keep, held = validation_split(train_y_all[shard], validation, split_rng)
+                except PartitionError:
+                    raise ValueError(
+                        f"data.validation_fraction={validation!r} holds out no sample of client "
+                        f"{name!r} ({len(shard)} training samples); use a larger fraction"
+                    ) from None
+                test_z = _rows(train_z, shard[held])
+                test_y = torch.from_numpy(train_y_all[shard[held]])
+                shard = shard[keep]
             clients.append(
                 ClientData(
                     client=cid,
-                    name=dom.name if k == 1 else f"{dom.name}-{j}",
+                    name=name,
                     domain=d_index,
                     domain_name=dom.name,
                     train_z=_rows(train_z, shard),
@@ -267,7 +303,7 @@ def build_federated_data(
             k,
         )
     holdout_data = None
-    if holdout is not None:
+    if holdout is not None and validation is None:
         h_idx = np.arange(len(holdout.test))
         if dcfg.max_test_per_domain is not None and len(h_idx) > dcfg.max_test_per_domain:
             h_idx = np.sort(rng.choice(h_idx, dcfg.max_test_per_domain, replace=False))
