@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,3 +115,48 @@ def test_backbone_encodes_on_cuda_like_cpu() -> None:
     gpu = create_backbone("pixels", 16).encode(images, device="cuda")
     assert gpu.device.type == "cpu"
     torch.testing.assert_close(gpu, cpu, atol=1e-5, rtol=1e-5)
+
+
+def test_the_gpu_checks_python_part_runs_on_cpu_with_dry_run(tmp_path: Path) -> None:
+    """benchmarks/gpu_check.py --dry-run: every section at tiny sizes, so the script is known
+    to work before anyone spends GPU time."""
+    out = tmp_path / "results-gpu.json"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks" / "gpu_check.py"),
+            "--dry-run",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["dry_run"] is True and res["device"]["name"] == "cpu"
+    assert res["encode"]["images_per_s"] > 0
+    assert set(res["train"]) >= {"M4", "M8"} and res["train"]["M4"]["train_round_s"] > 0
+    assert res["vpdr"]["vpdr"]["round_s"] > 0 and res["vpdr"]["vpdr_over_igpp"] > 0
+    assert res["vit"]["clients"] == 4 and 0.0 <= res["vit"]["avg_acc"] <= 1.0
+    # without --dry-run it refuses a machine without a GPU instead of timing the CPU
+    if not torch.cuda.is_available():
+        refused = subprocess.run(
+            [
+                sys.executable,
+                str(root / "benchmarks" / "gpu_check.py"),
+                "--device",
+                "cpu",
+                "--out",
+                str(tmp_path / "x.json"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert refused.returncode == 2 and "no GPU" in refused.stderr
