@@ -14,19 +14,46 @@ from protofl import __version__
 from protofl.config import ConfigError, ExperimentConfig
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    from protofl.engine.engines import ENGINE_REGISTRY, EngineOptions, run_engine
+def _flower_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "backend": args.flower_backend,
+        "num_cpus": args.flower_num_cpus,
+        "round_timeout": args.round_timeout,
+        "ray_address": args.ray_address,
+    }
+
+
+def _print_result(args: argparse.Namespace, result: Any) -> None:
     from protofl.report.console import print_summary
 
-    if args.resume:
-        from protofl.engine.runner import resume_experiment
+    if args.json:
+        print(json.dumps({"run_dir": str(result.run_dir), **result.summary}, indent=2))
+    else:
+        print_summary(result.summary, str(result.run_dir))
 
-        if args.config or args.set or args.engine:
+
+def _cmd_extend(args: argparse.Namespace) -> int:
+    from protofl.engine.engines import EngineOptions, resume_run
+    from protofl.engine.runner import check_extend_rounds
+
+    check_extend_rounds(args.rounds)
+    options = EngineOptions(progress=not args.quiet, flower=_flower_options(args))
+    _print_result(args, resume_run(args.run_dir, options, extend=args.rounds))
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from protofl.engine.engines import ENGINE_REGISTRY, EngineOptions, run_engine
+
+    if args.resume:
+        from protofl.engine.engines import resume_run
+
+        if args.config or args.set:
             raise ValueError(
-                "--resume continues a run with its saved config and engine; drop CONFIG/--set/"
-                "--engine"
+                "--resume continues a run with its saved config on its engine; drop CONFIG/--set"
             )
-        result: Any = resume_experiment(args.resume, progress=not args.quiet)
+        options = EngineOptions(progress=not args.quiet, flower=_flower_options(args))
+        result: Any = resume_run(args.resume, options, engine=args.engine)
     else:
         config = ExperimentConfig.from_yaml(args.config) if args.config else ExperimentConfig()
         overrides = list(args.set or [])
@@ -34,20 +61,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
             overrides.append(f"run.engine={args.engine}")
         config = config.with_overrides(overrides)
         ENGINE_REGISTRY.get(config.run.engine)  # an unknown engine fails before anything
-        flower = {
-            "backend": args.flower_backend,
-            "num_cpus": args.flower_num_cpus,
-            "round_timeout": args.round_timeout,
-            "ray_address": args.ray_address,
-        }
+        flower = _flower_options(args)
         if config.run.engine == "flower-loopback":
             flower = {"round_timeout": args.round_timeout}
         options = EngineOptions(out=args.out, progress=not args.quiet, flower=flower)
         result = run_engine(config, options)
-    if args.json:
-        print(json.dumps({"run_dir": str(result.run_dir), **result.summary}, indent=2))
-    else:
-        print_summary(result.summary, str(result.run_dir))
+    _print_result(args, result)
     return 0
 
 
@@ -97,7 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--out", help="folder that receives the run folder (default: run.out_dir)")
     run.add_argument(
-        "--resume", metavar="RUN_DIR", help="continue a stopped run from its last complete round"
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a stopped run from its last complete round, on the engine that made it "
+        "(sim or flower; --engine, if given, must name that engine)",
     )
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -114,6 +136,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flower_arguments(run)
     run.set_defaults(func=_cmd_run)
+
+    ext = sub.add_parser(
+        "extend",
+        help="continue a finished run for more rounds (the epsilon spent grows; recorded)",
+        description="Continue a finished run for N more rounds on its engine, at the noise it "
+        "was calibrated with. The mechanism was calibrated for the configured rounds at "
+        "(epsilon, delta); every further release costs privacy, so the run's guarantee becomes "
+        "the accountant's epsilon for all releases made. extensions.json, summary.json and "
+        "run.log state the original budget, the extension and the new total epsilon.",
+    )
+    ext.add_argument("run_dir", metavar="RUN_DIR", help="a finished run folder")
+    ext.add_argument("--rounds", type=int, required=True, metavar="N", help="rounds to add (>= 1)")
+    ext.add_argument("--quiet", action="store_true", help="no progress bar")
+    ext.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_flower_arguments(ext)
+    ext.set_defaults(func=_cmd_extend)
 
     ds = sub.add_parser("datasets", help="list data sets and whether each is available")
     ds.set_defaults(func=_cmd_datasets)

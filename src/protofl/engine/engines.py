@@ -6,14 +6,18 @@ engine        what runs the rounds
 ``sim``       the in-process simulator (:class:`~protofl.engine.simulation.Simulation`; its
               clients one after another or batched, ``federation.execution``); resumable
 ``flower``    Flower's ServerApp/ClientApp on Flower's Simulation Runtime (``ray``) or in this
-              process (``inline``), see :mod:`protofl.engine.flower.run` (extra: flower)
+              process (``inline``), see :mod:`protofl.engine.flower.run` (extra: flower);
+              resumable (server checkpoints, node-local client state in the run folder)
 ``flower-loopback``  a real Flower deployment on this machine: a SuperLink and one SuperNode
               per client as separate processes, ``flwr run`` (extra: flower)
 ============  ==================================================================================
 
 Every engine runs the same round (:mod:`protofl.engine.round`) and writes a run folder with
 ``summary.json``.  A new engine is one :class:`Engine` registered here (or by a plug-in
-module): a function ``(config, options) -> RunResult``.
+module): a function ``(config, options) -> RunResult``, and, if it can continue its own run
+folders, ``resume(run_dir, options, extend)`` (``extend``: rounds added to a finished run,
+0 for a plain resume).  :func:`resume_run` continues a run folder on the engine that made it
+and on no other.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from protofl.config import ExperimentConfig
+from protofl.errors import ConfigError
 from protofl.registry import Registry
 
 
@@ -56,7 +61,12 @@ class Engine:
     name: str
     summary: str
     run: Callable[[ExperimentConfig, EngineOptions], EngineResult]
-    resumable: bool = False
+    resume: Callable[[Path, EngineOptions, int], EngineResult] | None = None
+
+    @property
+    def resumable(self) -> bool:
+        """Whether the engine continues (and extends) its own run folders."""
+        return self.resume is not None
 
 
 ENGINE_REGISTRY: Registry[Engine] = Registry("engine")
@@ -74,11 +84,25 @@ def _run_sim(config: ExperimentConfig, options: EngineOptions) -> EngineResult:
     return run_experiment(config, out=options.out, progress=options.progress)
 
 
+def _resume_sim(run_dir: Path, options: EngineOptions, extend: int) -> EngineResult:
+    from protofl.engine.runner import extend_experiment, resume_experiment
+
+    if extend:
+        return extend_experiment(run_dir, extend, progress=options.progress)
+    return resume_experiment(run_dir, progress=options.progress)
+
+
 def _run_flower(config: ExperimentConfig, options: EngineOptions) -> EngineResult:
     from protofl.engine.flower.run import run_flower_simulation  # optional dependency
 
     out = options.out if options.out is not None else config.run.out_dir
     return run_flower_simulation(config, out=out, **options.flower)
+
+
+def _resume_flower(run_dir: Path, options: EngineOptions, extend: int) -> EngineResult:
+    from protofl.engine.flower.run import resume_flower_simulation  # optional dependency
+
+    return resume_flower_simulation(run_dir, extend=extend, **options.flower)
 
 
 @dataclass
@@ -102,10 +126,15 @@ def _run_loopback(config: ExperimentConfig, options: EngineOptions) -> EngineRes
 
 
 register_engine(
-    Engine("sim", "the in-process simulator (sequential or batched clients)", _run_sim, True)
+    Engine("sim", "the in-process simulator (sequential or batched clients)", _run_sim, _resume_sim)
 )
 register_engine(
-    Engine("flower", "Flower's ServerApp/ClientApp (Ray runtime, or inline)", _run_flower)
+    Engine(
+        "flower",
+        "Flower's ServerApp/ClientApp (Ray runtime, or inline)",
+        _run_flower,
+        _resume_flower,
+    )
 )
 register_engine(
     Engine(
@@ -121,3 +150,35 @@ def run_engine(config: ExperimentConfig, options: EngineOptions | None = None) -
     the valid ones)."""
     engine = ENGINE_REGISTRY.get(config.run.engine)
     return engine.run(config, options or EngineOptions())
+
+
+def resume_run(
+    run_dir: str | Path,
+    options: EngineOptions | None = None,
+    *,
+    engine: str | None = None,
+    extend: int = 0,
+) -> EngineResult:
+    """Continue ``run_dir`` (``extend`` > 0: a finished run, for that many more rounds) on the
+    engine that made it; ``engine``, if given, must be that engine (else a one-line refusal)."""
+    from protofl.engine.rundir import record_engine
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
+    made_by = record_engine(run_dir)
+    what = "extended" if extend else "resumed"
+    if engine is not None and engine != made_by:
+        raise ConfigError(
+            f"{run_dir}: this run was made by the {made_by!r} engine and is {what} only on it, "
+            f"not on the {engine!r} engine (drop --engine)"
+        )
+    if made_by not in ENGINE_REGISTRY:
+        raise ConfigError(
+            f"{run_dir}: this run was made by the {made_by!r} engine, which cannot be {what} "
+            "here (a Flower deployment's SuperNodes are not protofl's to restart); start a new run"
+        )
+    found = ENGINE_REGISTRY.get(made_by)
+    if found.resume is None:
+        raise ConfigError(f"{run_dir}: the {made_by!r} engine cannot continue a run; start anew")
+    return found.resume(run_dir, options or EngineOptions(), extend)

@@ -699,3 +699,172 @@ def test_a_restarted_supernode_gets_its_partition_back_with_its_state(tmp_path: 
     assert outcome.summary["rebinds"] == [{"partition": "1", "from": "1001", "to": "2001"}]
     state = unpack_state(grid.contexts[2001].state[STATE_KEY])  # type: ignore[arg-type]
     assert [e["round"] for e in state["ledger"]["entries"]] == [0, 1, 2]  # nothing reset
+
+
+# ----- resume and extension on the Flower engine ---------------------------------------------
+def _node_ledger_rounds(run_dir: Path) -> dict[str, list[int]]:
+    from protofl.engine.flower.client_app import load_node_state
+
+    out = {}
+    for path in sorted((run_dir / "nodes").glob("partition-*/*.pt")):
+        state = load_node_state(path)
+        assert state is not None
+        out[path.parent.name] = [e["round"] for e in state["ledger"]["entries"]]
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """fedproto + vpdr, 3 rounds, with a run folder: the reference for the resume tests."""
+    home = tmp_path_factory.mktemp("home")
+    config = tiny_config("fedproto", "vpdr", rounds=3)
+    return run_flower_simulation(config, home=home, backend="inline", out=home / "runs"), home
+
+
+def test_a_flower_run_stopped_mid_round_resumes_to_the_same_numbers(
+    uninterrupted: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server stops after its clients finished round 2 but before its checkpoint of round
+    2 (the clients are a round ahead): the resumed server asks for round 2 again, each client
+    sends the release it made (nothing charged or drawn twice) and the run ends as if it had
+    never stopped."""
+    import protofl.engine.checkpoint as checkpoint
+    from protofl.engine.flower.run import resume_flower_simulation
+
+    reference, home = uninterrupted
+    config = tiny_config("fedproto", "vpdr", rounds=3)
+    real = checkpoint.save_checkpoint
+
+    class Stopped(Exception):
+        pass
+
+    def stop_at_round_2(run_dir: Path, rnd: int, state: dict[str, Any]) -> Path:
+        if rnd == 2:
+            raise Stopped
+        return real(run_dir, rnd, state)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", stop_at_round_2)
+    with pytest.raises(Stopped):
+        run_flower_simulation(config, home=home, backend="inline", out=tmp_path / "runs")
+    monkeypatch.setattr(checkpoint, "save_checkpoint", real)
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert not (run_dir / "summary.json").exists()
+    assert _node_ledger_rounds(run_dir) == {"partition-0": [0, 1], "partition-1": [0, 1]}
+
+    resumed = resume_flower_simulation(run_dir, home=home, backend="inline")
+    assert comparable(resumed.history) == comparable(reference.history)
+    assert resumed.summary["privacy"] == reference.summary["privacy"]
+    assert resumed.summary["avg_acc"] == reference.summary["avg_acc"]
+    assert _node_ledger_rounds(run_dir) == {"partition-0": [0, 1, 2], "partition-1": [0, 1, 2]}
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(s)["round"] for s in lines] == [1, 2, 3]
+    assert "resuming" in (run_dir / "run.log").read_text()
+
+    # the same config again in this process, with a run folder: the same numbers
+    again = run_flower_simulation(config, home=home, backend="inline", out=tmp_path / "again")
+    assert comparable(again.history) == comparable(reference.history)
+
+
+def test_a_killed_flower_run_resumes_on_its_engine_from_the_cli(
+    uninterrupted: Any, tmp_path: Path
+) -> None:
+    """SIGKILL of ``protofl run --engine flower`` after its first checkpoint, then
+    ``protofl run --resume``: the same final numbers as an uninterrupted run."""
+    import os
+    import signal
+
+    reference, home = uninterrupted
+    config = tiny_config("fedproto", "vpdr", rounds=3)
+    (tmp_path / "exp.yaml").write_text(config.to_yaml())
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # Ray sets it
+    env["PROTOFL_HOME"] = str(home)
+    cli = [sys.executable, "-c", "import sys; from protofl.cli import main; sys.exit(main())"]
+    runs = tmp_path / "runs"
+    flower = ["--engine", "flower", "--flower-backend", "inline", "--quiet"]
+    proc = subprocess.Popen(
+        [*cli, "run", str(tmp_path / "exp.yaml"), "--out", str(runs), *flower],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    try:
+        while not list(runs.glob("*/checkpoint-0001.pt")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    (run_dir,) = runs.iterdir()
+    done = subprocess.run(
+        [*cli, "run", "--resume", str(run_dir), "--flower-backend", "inline", "--quiet"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["engine"] == "flower" and summary["rounds"] == 3
+    assert summary["privacy"] == reference.summary["privacy"]
+    assert summary["avg_acc"] == reference.summary["avg_acc"]
+    history = [
+        RoundMetrics.from_json(json.loads(s))
+        for s in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert comparable(history) == comparable(reference.history)
+
+
+def test_a_flower_run_resumes_only_on_its_engine(uninterrupted: Any, tmp_path: Path) -> None:
+    from protofl.config import ConfigError
+    from protofl.engine.engines import resume_run
+    from protofl.engine.flower.run import resume_flower_simulation
+    from protofl.engine.runner import resume_experiment, run_experiment
+
+    reference, _ = uninterrupted
+    with pytest.raises(ConfigError, match="made by the 'flower' engine") as info:
+        resume_run(reference.run_dir, engine="sim")
+    assert "not on the 'sim' engine" in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="'flower' engine and resumes only on it"):
+        resume_experiment(reference.run_dir)
+    sim_dir = run_experiment(tiny_config("fedproto", "igpp", rounds=1), out=tmp_path).run_dir
+    with pytest.raises(ConfigError, match="'sim' engine and resumes only on it") as info:
+        resume_flower_simulation(sim_dir, home=tmp_path, backend="inline")
+    assert "resuming it on the 'flower' engine" in str(info.value)
+
+
+def test_extending_a_flower_run_composes_every_release_on_both_sides(
+    uninterrupted: Any, tmp_path: Path
+) -> None:
+    import shutil
+
+    from protofl.engine.flower.run import resume_flower_simulation
+    from protofl.privacy.accounting import epsilon_spent
+    from protofl.privacy.mechanisms import VPP
+
+    reference, home = uninterrupted
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference.run_dir, run_dir)
+    (run_dir / ".lock").unlink(missing_ok=True)
+    config = tiny_config("fedproto", "vpdr", rounds=3)
+    with pytest.raises(ValueError, match="whole number of rounds"):
+        resume_flower_simulation(run_dir, extend=0 - 1, home=home, backend="inline")
+    result = resume_flower_simulation(run_dir, extend=2, home=home, backend="inline")
+    mech = VPP(config.privacy, rounds=3, dim=config.backbone.proto_dim)
+    events = [e for i in range(5) for e in mech.release_events(i)]
+    total = epsilon_spent(events, delta=config.privacy.delta, accountant=config.privacy.accountant)
+    privacy = result.summary["privacy"]
+    assert total > config.privacy.epsilon
+    assert privacy["epsilon"] == pytest.approx(total, rel=1e-9)
+    assert list(privacy["epsilon_spent"].values()) == [pytest.approx(total, rel=1e-9)] * 2
+    assert privacy["calibrated"]["epsilon"] == config.privacy.epsilon
+    assert "EXTENDED" in privacy["guarantee"]["statement"]
+    assert [m.round for m in result.history] == [1, 2, 3, 4, 5]
+    assert comparable(result.history[:3]) == comparable(reference.history)
+    # the clients' own ledgers, on their nodes, hold the five releases too
+    assert _node_ledger_rounds(run_dir) == {
+        "partition-0": [0, 1, 2, 3, 4],
+        "partition-1": [0, 1, 2, 3, 4],
+    }
+    ext = json.loads((run_dir / "extensions.json").read_text())["extensions"]
+    assert [(e["from_round"], e["to_round"], e["engine"]) for e in ext] == [(3, 5, "flower")]

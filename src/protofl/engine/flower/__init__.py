@@ -3,6 +3,7 @@
 Nothing here is imported by ``import protofl``; the names below load Flower on first use.
 
 * :func:`run_flower_simulation` - a protofl config through Flower's simulation engine;
+* :func:`resume_flower_simulation` - continue (or extend) such a run from its checkpoints;
 * :class:`ProtoStrategy` - one Flower strategy for every protofl method;
 * :func:`make_client_app` / :func:`make_server_app` - the ClientApp and ServerApp;
 * :func:`write_flower_app` - a Flower App folder for ``flwr run``;
@@ -16,6 +17,7 @@ from typing import Any
 
 _EXPORTS = {
     "run_flower_simulation": "protofl.engine.flower.run",
+    "resume_flower_simulation": "protofl.engine.flower.run",
     "FlowerRunResult": "protofl.engine.flower.run",
     "add_flower_arguments": "protofl.engine.flower.run",
     "add_flower_app_parser": "protofl.engine.flower.run",

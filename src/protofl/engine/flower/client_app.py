@@ -19,7 +19,15 @@ Messages (the strategy sends them in this order every round):
 State across rounds: everything mutable (model, optimiser, method ``ClientState``, DCR teacher,
 privacy ledger, RNG states, mechanism counters) is saved into ``context.state["protofl"]``
 after every message and restored before the next, so it survives Flower's ephemeral ClientApps
-(and Ray actors that move a partition between processes).
+(and Ray actors that move a partition between processes).  With a state folder (the node
+config's ``state-dir``, or in protofl's own simulation one folder per partition under the run
+folder) it is also written to disk, so a restarted node goes on from it.
+
+A release is made once per round: the client keeps its last release (the reply as sent) and
+its state right after it.  A server that asks again for the same round (it restarted from its
+checkpoint of the round before) gets the very same release, and the client's training state
+goes back to just after that release; nothing is drawn, charged or counted twice, and the
+ledger, noise stream and release counter never go back.
 
 Caching: the immutable part (the config, the federated data and the simulator skeleton) is
 cached per process, keyed by the config; building it costs a data-set load, which for a real
@@ -205,6 +213,33 @@ def save_node_state(path: Path, state: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+PRIVATE_PARTS = ("ledger", "noise_gen", "mechanism", "public_count", "noise_key")
+"""Parts of a client's state a repeated release never rolls back (what it released, charged
+and drew); the rest (model, optimiser, method state, batch order, DCR teacher) does."""
+
+
+def encode_reply(content: RecordDict) -> torch.Tensor:
+    """A reply as Flower's wire bytes (a uint8 tensor, kept in the client's own state)."""
+    from flwr.common.serde import recorddict_to_proto
+
+    data = recorddict_to_proto(content).SerializeToString()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+
+
+def decode_reply(data: torch.Tensor) -> RecordDict:
+    """Inverse of :func:`encode_reply`."""
+    from flwr.common.serde import recorddict_from_proto
+    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
+
+    return recorddict_from_proto(ProtoRecordDict.FromString(data.numpy().tobytes()))
+
+
+def release_cache(state: dict[str, Any], rnd: int, content: RecordDict) -> dict[str, Any]:
+    """What a client keeps of its release in round ``rnd``: the reply and its state after it."""
+    after = {k: v for k, v in state.items() if k not in PRIVATE_PARTS}
+    return {"round": rnd, "reply": encode_reply(content), "after": after}
+
+
 def fresh_client_state(
     sim: Simulation, runtime_initial: dict[str, Any], mode: str
 ) -> dict[str, Any]:
@@ -340,6 +375,8 @@ def _run(
     config: ExperimentConfig | None,
     home: Path | None,
     deployment: bool,
+    state_root: Path | None = None,
+    release_limit: int | None = None,
 ) -> Message:
     cfg = config if config is not None else config_from_run_config(context.run_config)
     # the noise key is this node's decision: the server's config cannot make it derived
@@ -352,6 +389,14 @@ def _run(
     sim = runtime.sim
     sim.noise_mode = mode
     sim.diagnostics = not deployment
+    # releases per client: the calibrated rounds, unless this node's own operator extended
+    # the run (never a value the server sends); reset for every run the process serves
+    limit = release_limit or cfg.federation.rounds
+    if sim.mechanism.rounds != limit:
+        from protofl.engine.runner import raise_release_limit
+
+        sim.mechanism.rounds = cfg.federation.rounds
+        raise_release_limit(sim.mechanism, limit)
     pid = int(context.node_config.get("partition-id", -1))  # type: ignore[call-overload]
     if not 0 <= pid < len(sim.clients):
         raise ValueError(
@@ -361,6 +406,8 @@ def _run(
     c = sim.clients[pid]
     rnd = _server_round(msg)
     state_dir = str(context.node_config.get(STATE_DIR_KEY, "") or "")
+    if not state_dir and state_root is not None:
+        state_dir = str(Path(state_root) / f"partition-{pid}")
     # one file per (experiment, partition): a different experiment on this node starts afresh
     tag = hashlib.sha256(config_key(cfg).encode()).hexdigest()[:12]
     state_file = Path(state_dir) / f"protofl-client-{pid}-{tag}.pt" if state_dir else None
@@ -378,10 +425,17 @@ def _run(
                 f"node {context.node_id}: its saved client state uses the {saved['noise_key']} "
                 f"noise key, this run asks for {mode}; a run never changes its noise key"
             )
-        load_client_state(sim, c, saved)
+        cache: dict[str, Any] = saved.get("release_cache") or {}
+        again = phase == "release" and int(cache.get("round", -1)) == rnd
+        # a repeated release request for the same round: the same release, and the training
+        # state of just after it (ledger, noise stream and counters stay where they are)
+        load_client_state(sim, c, {**saved, **cache["after"]} if again else saved)
         sim.round = max(rnd - 1, 0)
         try:
-            content = handler(sim, c, msg)
+            if again:
+                content = decode_reply(cache["reply"])
+            else:
+                content = handler(sim, c, msg)
             check_wire(phase, content, diagnostics=sim.diagnostics)
         except Exception as exc:
             raise RuntimeError(
@@ -389,6 +443,9 @@ def _run(
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         state = {**client_state(sim, c), "noise_key": mode}
+        if phase == "release" and not again:
+            cache = release_cache(state, rnd, content)
+        state["release_cache"] = cache or None
         context.state[STATE_KEY] = pack_state(state)
         if state_file is not None:
             save_node_state(state_file, state)
@@ -402,6 +459,8 @@ def make_client_app(
     home: Path | None = None,
     *,
     deployment: bool | None = None,
+    state_root: Path | None = None,
+    release_limit: int | None = None,
 ) -> ClientApp:
     """A ClientApp running protofl's client; ``config`` None: read it from the run config
     (``protofl-config`` / ``protofl-set``), as apps launched by ``flwr run`` do.
@@ -410,24 +469,30 @@ def make_client_app(
     client keeps a secret noise key (``privacy.noise_seed: derived`` is refused unless the
     node config sets ``insecure-derived-noise-key=true``) and sends no diagnostics computed on
     its private data.  protofl's own Flower simulation passes ``deployment=False``.
+
+    ``state_root``: keep each partition's state on disk in ``state_root/partition-<id>/``
+    (protofl's own simulation: ``<run folder>/nodes``; a node config's ``state-dir`` wins).
+    ``release_limit``: releases each client may make (default: ``federation.rounds``, what the
+    mechanism was calibrated for); an extended run raises it, on the clients' side.
     """
     app = ClientApp()
     deployed = config is None if deployment is None else deployment
+    extra = (state_root, release_limit)
 
     @app.query("hello")
     def hello(msg: Message, context: Context) -> Message:
-        return _run(_hello, "hello", msg, context, config, home, deployed)
+        return _run(_hello, "hello", msg, context, config, home, deployed, *extra)
 
     @app.train("release")
     def release(msg: Message, context: Context) -> Message:
-        return _run(_release, "release", msg, context, config, home, deployed)
+        return _run(_release, "release", msg, context, config, home, deployed, *extra)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        return _run(_train, "train", msg, context, config, home, deployed)
+        return _run(_train, "train", msg, context, config, home, deployed, *extra)
 
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
-        return _run(_evaluate, "evaluate", msg, context, config, home, deployed)
+        return _run(_evaluate, "evaluate", msg, context, config, home, deployed, *extra)
 
     return app

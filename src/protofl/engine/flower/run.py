@@ -44,25 +44,114 @@ def run_flower_simulation(
     ``ray``: Flower's Simulation Runtime (``flwr.simulation.run_simulation``, one virtual
     SuperNode per client, ``num_cpus`` per ClientApp).  ``inline``: the same apps on an
     :class:`~protofl.engine.flower.inline.InlineGrid` in this process (no Ray).  ``out``: a run
-    folder is written there (config.yaml, metrics.jsonl, summary.json), as ``protofl run`` does.
+    folder is written there, as ``protofl run`` does: config.yaml, run-record.json, run.log,
+    metrics.jsonl, summary.json, the server's checkpoint after every round and, under
+    ``nodes/partition-<id>/``, each simulated node's own client state (what a SuperNode keeps
+    in its ``state-dir``); :func:`resume_flower_simulation` continues it.
     ``silent_nodes`` (inline only): partitions whose node never answers (fault drills).
     ``ray_address``: join a running Ray cluster (``ray start --head`` / ``--address``; "auto"
     finds the local one) instead of starting a private single-machine Ray.
     """
+    from protofl.engine.federated_data import preflight
+    from protofl.engine.runner import make_run_dir, start_run_dir
+
+    _check_backend(backend, silent_nodes)
+    run_dir = None
+    if out is not None:
+        preflight(config)  # a bad name, option or data root fails before any folder exists
+        run_dir = make_run_dir(config, out)
+        start_run_dir(config, run_dir, engine="flower")
+    return _simulate(
+        config,
+        run_dir=run_dir,
+        resume=False,
+        home=home,
+        backend=backend,
+        num_cpus=num_cpus,
+        round_timeout=round_timeout,
+        silent_nodes=silent_nodes,
+        ray_address=ray_address,
+    )
+
+
+def resume_flower_simulation(
+    run_dir: str | Path,
+    *,
+    extend: int = 0,
+    home: Path | None = None,
+    backend: str = "ray",
+    num_cpus: float = 1.0,
+    round_timeout: float = 600.0,
+    silent_nodes: tuple[int, ...] = (),
+    ray_address: str | None = None,
+) -> FlowerRunResult:
+    """Continue a Flower run folder from its server checkpoint, its clients from their
+    node-local state (``extend`` > 0: a finished run, for that many more rounds at its
+    calibrated noise, recorded as :func:`protofl.engine.runner.extend_experiment` does).
+    The backend may differ from the first run's (both give the same numbers)."""
+    from protofl.engine.rundir import FolderLock, check_resume
+    from protofl.engine.runner import check_extend_rounds, plan_extension, read_run_config
+
+    _check_backend(backend, silent_nodes)
+    run_dir = Path(run_dir)
+    config = read_run_config(run_dir)
+    check_resume(run_dir, config, engine="flower")  # an edited config.yaml is refused
+    if extend:
+        check_extend_rounds(extend)
+        with FolderLock(run_dir, "run"):
+            entry = plan_extension(run_dir, config, extend)
+        log.warning("extension of %s: %s", run_dir, entry["note"])
+    return _simulate(
+        config,
+        run_dir=run_dir,
+        resume=True,
+        home=home,
+        backend=backend,
+        num_cpus=num_cpus,
+        round_timeout=round_timeout,
+        silent_nodes=silent_nodes,
+        ray_address=ray_address,
+    )
+
+
+def _check_backend(backend: str, silent_nodes: tuple[int, ...]) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; choose one of {', '.join(BACKENDS)}")
+    if silent_nodes and backend != "inline":
+        raise ValueError("silent_nodes is only supported by the inline backend")
+
+
+def _simulate(
+    config: ExperimentConfig,
+    *,
+    run_dir: Path | None,
+    resume: bool,
+    home: Path | None,
+    backend: str,
+    num_cpus: float,
+    round_timeout: float,
+    silent_nodes: tuple[int, ...],
+    ray_address: str | None,
+) -> FlowerRunResult:
     from protofl.data.cache import protofl_home
     from protofl.engine.federated_data import build_federated_data
     from protofl.engine.flower.client_app import make_client_app
     from protofl.engine.flower.server_app import ServerOutcome, make_server_app
+    from protofl.engine.rundir import target_rounds
 
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}; choose one of {', '.join(BACKENDS)}")
     home = Path(home) if home is not None else protofl_home()
     threads = torch.get_num_threads()
     try:
         # build (and disk-cache) the data once here: it tells how many SuperNodes to start
         num_clients = len(build_federated_data(config, home).clients)
         outcome = ServerOutcome()
-        client_app = make_client_app(config, home, deployment=False)
+        client_app = make_client_app(
+            config,
+            home,
+            deployment=False,
+            state_root=None if run_dir is None else run_dir / "nodes",
+            release_limit=None if run_dir is None else target_rounds(run_dir, config),
+        )
         if backend == "inline":
             from protofl.engine.flower.inline import InlineGrid
             from protofl.engine.flower.server_app import run_flower_server
@@ -75,7 +164,9 @@ def run_flower_simulation(
             run_flower_server(
                 grid,
                 config,
-                out=out,
+                out=None,
+                run_dir=run_dir,
+                resume=resume,
                 min_nodes=num_clients,
                 round_timeout=round_timeout,
                 wait_timeout=60.0,
@@ -83,13 +174,13 @@ def run_flower_simulation(
                 diagnostics=True,
             )
         else:
-            if silent_nodes:
-                raise ValueError("silent_nodes is only supported by the inline backend")
             from flwr.simulation import run_simulation
 
             server_app = make_server_app(
                 config,
-                out=out,
+                out=None,
+                run_dir=run_dir,
+                resume=resume,
                 min_nodes=num_clients,
                 round_timeout=round_timeout,
                 outcome=outcome,

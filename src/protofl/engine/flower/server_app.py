@@ -1,4 +1,11 @@
-"""The Flower ``ServerApp``: runs :class:`ProtoStrategy` and writes a protofl run folder."""
+"""The Flower ``ServerApp``: runs :class:`ProtoStrategy` and writes a protofl run folder.
+
+The run folder is a protofl run folder like the simulator's (config.yaml, run-record.json,
+run.log, metrics.jsonl, summary.json, artifacts.pt) and holds the server's checkpoint after
+every round (``checkpoint-<round>.pt``: the strategy's state, see
+:meth:`ProtoStrategy.state_dict`), from which :func:`run_flower_server` continues a stopped
+run (``resume``).  Clients keep their own state on their nodes.
+"""
 
 from __future__ import annotations
 
@@ -67,7 +74,7 @@ def build_summary(config: ExperimentConfig, strategy: ProtoStrategy) -> dict[str
 
     if not strategy.history:
         raise RuntimeError("no round completed")
-    nodes = sorted(strategy.nodes.values(), key=lambda n: n.partition)
+    nodes = strategy.registered_nodes()
     summary = summarise(strategy.history)
     summary.update(
         {
@@ -111,6 +118,8 @@ def make_server_app(
     outcome: ServerOutcome | None = None,
     on_round: Callable[[RoundMetrics], None] | None = None,
     diagnostics: bool = False,
+    run_dir: Path | None = None,
+    resume: bool = False,
 ) -> ServerApp:
     """A ServerApp running ``ProtoStrategy``.
 
@@ -118,6 +127,10 @@ def make_server_app(
     experiment), ``round-timeout``, ``wait-timeout``, ``min-nodes`` (0: as many as the clients
     report), ``out-dir`` (a run folder is written there; empty: none) and ``partition-map``
     (node id -> partition from the registered SuperNode keys; empty: first claim wins).
+    ``run_dir``/``resume``: as :func:`run_flower_server`.  A run folder written by a deployment
+    (``config`` None: the shipped components under ``flwr run``) records the engine
+    ``flower-deployment``: protofl cannot restart a deployment's SuperNodes, so it does not
+    resume it.
     """
     app = ServerApp()
 
@@ -140,6 +153,9 @@ def make_server_app(
             outcome=outcome,
             on_round=on_round,
             diagnostics=diagnostics,
+            run_dir=run_dir,
+            resume=resume,
+            engine="flower" if config is not None else "flower-deployment",
         )
 
     return app
@@ -157,51 +173,86 @@ def run_flower_server(
     on_round: Callable[[RoundMetrics], None] | None = None,
     diagnostics: bool = False,
     partition_map: Mapping[int, int] | None = None,
+    run_dir: Path | None = None,
+    resume: bool = False,
+    engine: str = "flower",
 ) -> ServerOutcome:
-    """Run the strategy on ``grid``; write ``config.yaml``, ``metrics.jsonl`` and
-    ``summary.json`` into a new run folder under ``out`` (when given).  ``partition_map``:
-    node id -> the one partition that node may claim (None or empty: first claim wins)."""
-    from protofl.engine.runner import attach_log, make_run_dir, start_run_dir
+    """Run the strategy on ``grid`` and write a run folder: a new one under ``out`` (when
+    given), or ``run_dir`` (already started, e.g. by :func:`start_run_dir`).  The server
+    checkpoints after every round (unless ``federation.checkpoint`` is false); ``resume``
+    continues ``run_dir`` from its last checkpoint up to its rounds (configured plus
+    extensions).  ``partition_map``: node id -> the one partition that node may claim (None or
+    empty: first claim wins)."""
+    from protofl.engine.checkpoint import load_latest_checkpoint, save_checkpoint
+    from protofl.engine.rundir import FolderLock, read_extensions, target_rounds
+    from protofl.engine.runner import attach_log, extended_privacy, make_run_dir, start_run_dir
 
     outcome = outcome if outcome is not None else ServerOutcome()
-    run_dir = make_run_dir(config, out) if out is not None else None
-    if run_dir is not None:
-        start_run_dir(config, run_dir, engine="flower")
-        (run_dir / "metrics.jsonl").write_text("")
+    if run_dir is None and out is not None:
+        run_dir = make_run_dir(config, out)
+        start_run_dir(config, run_dir, engine=engine)
     outcome.run_dir = run_dir
-
-    def record(m: RoundMetrics) -> None:
-        outcome.history.append(m)
-        if run_dir is not None:
-            with open(run_dir / "metrics.jsonl", "a") as fh:
-                fh.write(json.dumps(m.to_json()) + "\n")
-        if on_round is not None:
-            on_round(m)
-
-    strategy = ProtoStrategy(
-        config,
-        min_nodes=min_nodes,
-        round_timeout=round_timeout,
-        wait_timeout=wait_timeout,
-        on_round=record,
-        diagnostics=diagnostics,
-    )
-    strategy.partition_map = dict(partition_map or {})
-    outcome.strategy = strategy
+    lock = FolderLock(run_dir, "run") if run_dir is not None else None
+    if lock is not None:
+        lock.acquire()  # one process at a time in a run folder
     handler = attach_log(run_dir) if run_dir is not None else None
     try:
-        strategy.start(grid=grid)
+        target = target_rounds(run_dir, config) if run_dir is not None else None
+        extensions = read_extensions(run_dir) if run_dir is not None else []
+
+        def record(m: RoundMetrics) -> None:
+            outcome.history.append(m)
+            if run_dir is not None:
+                with open(run_dir / "metrics.jsonl", "a") as fh:
+                    fh.write(json.dumps(m.to_json()) + "\n")
+                if config.federation.checkpoint:  # every round: the clients move every round
+                    save_checkpoint(run_dir, m.round, strategy.state_dict())
+            if on_round is not None:
+                on_round(m)
+
+        strategy = ProtoStrategy(
+            config,
+            min_nodes=min_nodes,
+            round_timeout=round_timeout,
+            wait_timeout=wait_timeout,
+            on_round=record,
+            diagnostics=diagnostics,
+        )
+        strategy.partition_map = dict(partition_map or {})
+        outcome.strategy = strategy
+        if run_dir is not None and resume:
+            state = load_latest_checkpoint(run_dir)
+            if state is not None:
+                strategy.load_state_dict(state)
+            elif not config.federation.checkpoint and any((run_dir / "nodes").glob("*/*.pt")):
+                raise RuntimeError(
+                    f"{run_dir}: the server kept no checkpoint (federation.checkpoint=false) "
+                    "but its clients have released; restarting from round 1 would charge them "
+                    "again: start a new run"
+                )
+            log.info("resuming %s after round %d", run_dir, len(strategy.history))
+            outcome.history = list(strategy.history)
+        if run_dir is not None:  # a round written after the last checkpoint is written again
+            (run_dir / "metrics.jsonl").write_text(
+                "".join(json.dumps(m.to_json()) + "\n" for m in strategy.history)
+            )
+        todo = (target if target is not None else config.federation.rounds) - len(strategy.history)
+        if todo > 0:
+            strategy.start(grid=grid, num_rounds=todo)
+        outcome.summary = build_summary(config, strategy)
+        outcome.summary["privacy"] = extended_privacy(outcome.summary["privacy"], extensions)
+        if run_dir is not None:
+            outcome.summary["run_dir"] = str(run_dir)
+            (run_dir / "summary.json").write_text(json.dumps(outcome.summary, indent=2) + "\n")
+            if config.run.save_releases:
+                save_received(strategy, run_dir)
+        log.info("flower run finished: avg %.4f", outcome.summary["avg_acc"])
     finally:
         if handler is not None:
             logging.getLogger("protofl").removeHandler(handler)
             handler.close()
-    outcome.summary = build_summary(config, strategy)
-    if run_dir is not None:
-        outcome.summary["run_dir"] = str(run_dir)
-        (run_dir / "summary.json").write_text(json.dumps(outcome.summary, indent=2) + "\n")
-        if config.run.save_releases:
-            save_received(strategy, run_dir)
-    log.info("flower run finished: avg %.4f", outcome.summary["avg_acc"])
+        if lock is not None:
+            lock.release()
     return outcome
 
 
@@ -212,7 +263,7 @@ def save_received(strategy: ProtoStrategy, run_dir: Path) -> None:
 
     from protofl.engine.simulation import release_to_dict
 
-    nodes = sorted(strategy.nodes.values(), key=lambda n: n.partition)
+    nodes = strategy.registered_nodes()
     parts = [n.partition for n in nodes]
     torch.save(
         {

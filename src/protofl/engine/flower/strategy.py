@@ -32,7 +32,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -171,6 +171,82 @@ class ProtoStrategy(Strategy):
         self._losses: list[float] = []
         self._client_acc: dict[int, float] = {}
         self._holdout: dict[int, float] = {}
+        self.num_domains = 0
+        # a resumed run: partition -> the facts it registered before (a node claiming it now
+        # must repeat them; node ids of the earlier session mean nothing now)
+        self._resumed: dict[int, NodeInfo] = {}
+
+    # ----- checkpoint state ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What the server needs to continue after a restart: the rounds so far, the global
+        state, the method's server state, the seeded sampler, every client's server-side
+        ledger, the registered facts per partition and what was received and rejected."""
+        from protofl.engine.simulation import release_to_dict
+
+        return {
+            "history": [m.to_json() for m in self.history],
+            "global_state": dict(self.global_state),
+            "avg_weights": self.avg_weights,
+            "method": None if self.method is None else self.method.state_dict(),
+            "shape": [self.num_clients, self.num_classes, self.num_domains],
+            "server_gen": self.server_gen.get_state(),
+            "ledgers": {p: led.state_dict() for p, led in sorted(self.ledgers.items())},
+            "registered": {n.partition: asdict(n) for n in self._sorted_nodes()}
+            | {p: asdict(n) for p, n in self._resumed.items() if p not in self._partitions()},
+            "received": [
+                {p: release_to_dict(r) for p, r in sorted(rnd.items())} for rnd in self.received
+            ],
+            "wire_seen": {k: sorted(v) for k, v in sorted(self.wire_seen.items())},
+            "rebinds": list(self.rebinds),
+            "partition_overlap": list(self._partition_overlap),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`; the nodes register again (``hello``) and a node
+        claiming a partition must repeat the facts that partition registered."""
+        from protofl.engine.simulation import release_from_dict
+
+        self.history = [RoundMetrics.from_json(m) for m in state["history"]]
+        self.global_state = dict(state["global_state"])
+        self.avg_weights = state["avg_weights"]
+        self.num_clients, self.num_classes, self.num_domains = (int(v) for v in state["shape"])
+        if state["method"] is not None:
+            self.method = self._create_method(self.num_classes, self.num_domains)
+            self.method.load_state_dict(state["method"])
+        self.server_gen.set_state(state["server_gen"])
+        for p, ls in state["ledgers"].items():
+            ledger = PrivacyLedger(
+                delta=self.config.privacy.delta, accountant=self.config.privacy.accountant
+            )
+            ledger.load_state_dict(ls)
+            self.ledgers[int(p)] = ledger
+        self._resumed = {int(p): NodeInfo(**info) for p, info in state["registered"].items()}
+        self.received = [
+            {int(p): release_from_dict(r) for p, r in rnd.items()} for rnd in state["received"]
+        ]
+        self.wire_seen = {k: set(v) for k, v in state["wire_seen"].items()}
+        self.rebinds = list(state["rebinds"])
+        self._partition_overlap = [float(v) for v in state["partition_overlap"]]
+
+    def _partitions(self) -> set[int]:
+        return {n.partition for n in self.nodes.values()}
+
+    def registered_nodes(self) -> list[NodeInfo]:
+        """Every partition's registered node in partition order (after a restart, a
+        partition not registered again yet keeps its facts from before)."""
+        now = {n.partition: n for n in self.nodes.values()}
+        merged = {**{p: n for p, n in self._resumed.items() if p not in now}, **now}
+        return [merged[p] for p in sorted(merged)]
+
+    def _create_method(self, num_classes: int, num_domains: int) -> Method:
+        return create_method(
+            self.config.method.name,
+            self.config.method.params,
+            num_classes=num_classes,
+            num_domains=num_domains,
+            proto_dim=self.config.backbone.proto_dim,
+            seed=self.config.seed,
+        )
 
     # ----- Strategy interface ------------------------------------------------------------------
     def summary(self) -> None:
@@ -533,6 +609,20 @@ class ProtoStrategy(Strategy):
                 )
                 del self.nodes[held.node_id]
                 del taken[info.partition]
+            before = self._resumed.get(info.partition)
+            if before is not None and not _same_facts(before, info):
+                reason = (
+                    f"claims partition {info.partition} with other facts ({info.name}, domain "
+                    f"{info.domain_name}, {info.num_samples} samples) than it registered before "
+                    f"the restart ({before.name}, domain {before.domain_name}, "
+                    f"{before.num_samples} samples)"
+                )
+                log.warning("node %d %s; refused", node_id, reason)
+                self._off_map.add(node_id)  # its facts cannot become right: not asked again
+                self._pending.append(
+                    {"client": info.name, "node": str(node_id), "phase": "hello", "reason": reason}
+                )
+                continue
             if info.partition in taken:
                 reason = (
                     f"claims partition {info.partition}, already held by node "
@@ -735,7 +825,7 @@ class ProtoStrategy(Strategy):
         derived key, counts as derived (the conservative reading)."""
         from protofl.privacy.guarantee import describe_guarantee
 
-        per_client = {n.name: n.noise_key for n in self._sorted_nodes()}
+        per_client = {n.name: n.noise_key for n in self.registered_nodes()}
         mode = "secret" if per_client and set(per_client.values()) == {"secret"} else "derived"
         out = describe_guarantee(
             self.config.privacy,
@@ -751,7 +841,7 @@ class ProtoStrategy(Strategy):
 
     def privacy_status(self) -> dict[str, Any]:
         """Epsilon charged per client for what left it (the simulator's ``privacy_status``)."""
-        names = {n.partition: n.name for n in self.nodes.values()}
+        names = {n.partition: n.name for n in self.registered_nodes()}
         return privacy_status(
             {names[p]: self.ledgers[p] for p in sorted(self.ledgers)},
             uses_prototypes=self.method is None or self.method.uses_prototypes,
