@@ -309,13 +309,13 @@ class MembershipDiagnostic:
         if (sim.round + 1) % self.every:
             return
         c = client
-        with torch.no_grad():
-            test_f = sim.method.upload_features(c.model, c.data.test_z.float())
+        with torch.no_grad():  # the features on run.device, the scoring on the CPU
+            test_f = sim.method.upload_features(c.model, c.data.test_z.float()).cpu()
         sim.last_mia[c.data.name] = mia_on_release(
-            features,
-            c.data.train_y,
+            features.cpu(),
+            c.data.train_y.cpu(),
             test_f,
-            c.data.test_y,
+            c.data.test_y.cpu(),
             release,
             seed=derive_seed(sim.config.seed, Stream.DIAGNOSTICS, c.data.client, sim.round),
         )
