@@ -250,6 +250,7 @@ def load_hf_dataset(
         raise DatasetRootError(f"hf: data.root={given!r} is not a directory")
     if not 0.0 < test_fraction < 1.0:
         raise ConfigError(f"hf: data.options.test_fraction={test_fraction}: give 0 < x < 1")
+    sources: list[tuple[str | None, Path]]
     if _is_source(base):
         sources = [(None, base)]
     else:
