@@ -172,3 +172,181 @@ def test_every_results_sweep_file_validates(path: Path) -> None:
     assert plan.points
     seeds = {p.config.seed for p in plan.points}
     assert seeds == {0, 1, 2}, f"{path.name}: docs/results.md reports seeds 0-2"
+
+
+# ----- select: a setting chosen on validation splits, never on test ------------------------------
+def test_select_plans_validation_runs_per_group_over_the_default_clip_grid(
+    tmp_path: Path,
+) -> None:
+    path = _sweep_file(
+        tmp_path,
+        {"privacy.mechanism": ["igpp", "vpdr"], "seed": [0, 1]},
+        select={"key": "privacy.clip"},
+    )
+    plan = load_sweep(path)
+    sel = plan.select
+    assert sel is not None
+    assert sel.values == [5.0, 10.0, 15.0, 20.0]  # VPDR's grid, the default for privacy.clip
+    assert sel.per == ("privacy.mechanism",)  # seeds are pooled within a group
+    assert sel.validation_fraction == 0.2 and sel.metric == "headline"
+    assert len(plan.validation) == 2 * 2 * 4
+    for v in plan.validation:
+        cfg = v.point.config
+        assert cfg.data.validation_fraction == 0.2
+        assert cfg.privacy.clip == sel.values[v.value_index]
+        assert cfg.privacy.mechanism == plan.points[v.grid_index].config.privacy.mechanism
+    # the grid points themselves evaluate on test (no validation split)
+    assert all(p.config.data.validation_fraction is None for p in plan.points)
+    # --select sets the key (and values) over the file's section
+    other = load_sweep(path, select="privacy.clip=[1, 2]")
+    assert other.select is not None and other.select.values == [1, 2]
+    with pytest.raises(ValueError, match="run it with run_selection"):
+        run_sweep(plan, sweep_dir=tmp_path / "s", jobs=1, progress=False)
+
+
+@pytest.mark.parametrize(
+    ("select", "needle"),
+    [
+        (
+            {"key": "privacy.clip", "valus": [1]},
+            "unknown select key 'valus' (did you mean 'values'?)",
+        ),
+        ({"key": "privacy.clp"}, "privacy.clp"),
+        ({"key": "seed"}, "select.key=seed cannot be selected"),
+        ({"key": "federation.lr"}, "select.values is required for select.key=federation.lr"),
+        ({"key": "privacy.clip", "values": []}, "select.values must be a non-empty list"),
+        ({"key": "privacy.clip", "values": [5, 5]}, "lists a value twice"),
+        ({"key": "privacy.clip", "values": [-1]}, "privacy.clip=-1"),
+        ({"key": "privacy.clip", "validation_fraction": 1.5}, "select.validation_fraction=1.5"),
+        ({"key": "privacy.clip", "metric": "best"}, "select.metric='best'"),
+        ({"key": "privacy.clip", "per": ["seedz"]}, "select.per=['seedz'] must list grid axes"),
+        ({"key": "privacy.mechanism"}, "select.key=privacy.mechanism is also a grid axis"),
+    ],
+)
+def test_bad_select_is_one_line_naming_the_key(
+    tmp_path: Path, select: dict[str, Any], needle: str
+) -> None:
+    path = _sweep_file(tmp_path, {"privacy.mechanism": ["igpp"]}, select=select)
+    with pytest.raises(ConfigError) as err:
+        load_sweep(path)
+    assert needle in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+class _Guarded:
+    """A test split's images that may only be read once the selection has chosen."""
+
+    def __init__(self, images: Any, state: dict[str, bool]) -> None:
+        self.images, self.state = images, state
+
+    def __getitem__(self, item: Any) -> Any:
+        if not self.state["chosen"]:
+            raise AssertionError("the test images were read before the choice")
+        return self.images[item]
+
+
+def _select(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, permute_test: bool
+) -> dict[str, Any]:
+    """Run a 2-candidate clip selection on toy; the test split is unreadable until the choice
+    (and with ``permute_test`` its labels are shuffled)."""
+    import numpy as np
+
+    import protofl.engine.federated_data as federated_data
+    import protofl.engine.sweep as sweep
+    from protofl.data.toy import make_toy
+    from protofl.engine.sweep import run_selection
+
+    state = {"chosen": False}
+
+    def load(config: Any, home: Path) -> Any:
+        toy = make_toy()
+        for dom in toy.domains:
+            if permute_test:
+                labels = np.random.default_rng(0).permutation(dom.test.labels)
+                object.__setattr__(dom.test, "labels", labels)
+            object.__setattr__(dom.test, "images", _Guarded(dom.test.images, state))
+        return toy
+
+    real_choose = sweep.choose
+
+    def choose(*args: Any, **kwargs: Any) -> Any:
+        out = real_choose(*args, **kwargs)
+        state["chosen"] = True
+        return out
+
+    monkeypatch.setattr(federated_data, "load_dataset", load)
+    monkeypatch.setattr(sweep, "choose", choose)
+    base = _base()
+    # nearest noisy global prototype: a large clip radius (more noise) hurts
+    base["privacy"].update({"mechanism": "igpp", "epsilon": 1.0})
+    base["method"]["params"] = {"eval": "prototype"}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": name,
+                "base": base,
+                "grid": {"method.name": ["fedproto"]},
+                "select": {
+                    "key": "privacy.clip",
+                    "values": [20.0, 0.5],
+                    "validation_fraction": 0.3,
+                },
+            }
+        )
+    )
+    result = run_selection(load_sweep(path), sweep_dir=tmp_path / name, jobs=1, progress=False)
+    assert not result.failed
+    record = json.loads((tmp_path / name / "selection.json").read_text())
+    assert record == json.loads(json.dumps(result.record))
+    return record
+
+
+def test_selection_chooses_on_validation_and_never_reads_test_before_choosing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record = _select(tmp_path, monkeypatch, "sel", permute_test=False)
+    assert record["key"] == "privacy.clip" and record["grid"] == [20.0, 0.5]
+    assert record["validation_fraction"] == 0.3
+    (group,) = record["groups"]
+    assert group["group"] == {"method.name": "fedproto"}
+    accs = [c["avg_acc"] for c in group["validation"]]
+    assert [c["value"] for c in group["validation"]] == [20.0, 0.5]
+    assert all(0.0 <= a <= 1.0 for a in accs) and len(set(accs)) == 2
+    best = max(range(2), key=lambda i: (accs[i], -i))
+    assert group["chosen"] == record["grid"][best]  # the argmax of the validation accuracies
+    # the validation runs evaluate on the held-out part of the training data ...
+    for c in group["validation"]:
+        (run,) = c["runs"]
+        config = yaml.safe_load((tmp_path / "sel" / run / "config.yaml").read_text())
+        assert config["data"]["validation_fraction"] == 0.3
+        assert config["privacy"]["clip"] == c["value"]
+    # ... and the test run trains with the choice on all of it and reports test accuracy
+    (test_run,) = group["test"]["runs"]
+    config = yaml.safe_load((tmp_path / "sel" / test_run / "config.yaml").read_text())
+    assert config["data"]["validation_fraction"] is None
+    assert config["privacy"]["clip"] == group["chosen"]
+    summary = json.loads((tmp_path / "sel" / test_run / "summary.json").read_text())
+    assert group["test"]["avg_acc"] == pytest.approx(summary["avg_acc"])
+    # another test set (labels shuffled) changes the test accuracy, not the choice
+    other = _select(tmp_path, monkeypatch, "sel2", permute_test=True)
+    (group2,) = other["groups"]
+    assert [c["avg_acc"] for c in group2["validation"]] == accs
+    assert group2["chosen"] == group["chosen"]
+    assert group2["test"]["avg_acc"] != group["test"]["avg_acc"]
+
+
+def test_cli_select_dry_run_lists_the_validation_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _sweep_file(tmp_path, {"privacy.mechanism": ["igpp"]})
+    parser = argparse.ArgumentParser(prog="protofl")
+    add_report_parsers(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(
+        ["sweep", str(path), "--select", "privacy.clip", "--dry-run", "--out", str(tmp_path / "s")]
+    )
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "4 validation runs" in out and "choosing privacy.clip among 5.0, 10.0, 15.0, 20.0" in out
+    assert out.count("to run") == 4 and "validation_fraction-0.2" in out

@@ -14,6 +14,24 @@ A sweep file::
 Every grid point gets a deterministic folder ``<sweep_dir>/<index>-<slug>`` (a normal run folder).
 A point whose folder holds ``summary.json`` is done and is skipped; one with checkpoints is
 resumed from its last complete round; anything else starts afresh.
+
+Selecting a setting without looking at the test set (``select:``)::
+
+    select:
+      key: privacy.clip            # the setting to choose (not a grid axis)
+      values: [5, 10, 15, 20]      # the candidates (default for privacy.clip: VPDR's grid)
+      validation_fraction: 0.2     # share of every client's training data held out (default)
+      metric: headline             # headline (each run's run.headline) | final | last5
+      per: [method.name, privacy.mechanism]   # default: every grid axis but the seed
+
+For every group of grid points that agree on ``per`` and every candidate value, one validation
+run per grid point (seed) trains with ``data.validation_fraction`` set, so it evaluates on the
+held-out part of the clients' training data and never reads the test set
+(``<sweep_dir>/select/``). The value with the best mean validation accuracy over the group's
+runs is chosen (a tie goes to the value listed first), then every grid point of the group runs
+once more on its full training data with that value and reports test accuracy
+(``<sweep_dir>/<index>-<slug>``). ``selection.json`` records the candidates, every validation
+accuracy, the choice and the test accuracy at the choice.
 """
 
 from __future__ import annotations
@@ -44,9 +62,16 @@ from protofl.registry import nearest
 
 log = logging.getLogger(__name__)
 
-SWEEP_KEYS = ("name", "description", "base", "grid")
+SWEEP_KEYS = ("name", "description", "base", "grid", "select")
 STATUS_FILE = "sweep.json"
 ERROR_FILE = "error.txt"
+SELECT_KEYS = ("key", "values", "validation_fraction", "metric", "per")
+SELECT_METRICS = ("headline", "final", "last5")
+SELECT_DEFAULT_VALUES: dict[str, list[Any]] = {"privacy.clip": [5.0, 10.0, 15.0, 20.0]}
+"""Candidates when ``select.values`` is not given: VPDR Sec. 5.1 grid-searches R over these."""
+SELECT_DIR = "select"
+SELECTION_FILE = "selection.json"
+VALIDATION_KEY = "data.validation_fraction"
 
 
 # --------------------------------------------------------------------------------------------
@@ -70,6 +95,27 @@ class SweepPoint:
         return ", ".join(f"{k}={_show(v)}" for k, v in self.overrides.items()) or "(base)"
 
 
+@dataclass(frozen=True)
+class Selection:
+    """``select:``: which setting to choose on validation splits, among which values."""
+
+    key: str
+    values: list[Any]
+    validation_fraction: float = 0.2
+    metric: str = "headline"
+    per: tuple[str, ...] = ()
+    """The grid axes whose values make one selection group (the others, the seed, are pooled)."""
+
+
+@dataclass(frozen=True)
+class ValidationPoint:
+    """A validation run of a selection: grid point ``grid_index`` with candidate ``value``."""
+
+    point: SweepPoint
+    grid_index: int
+    value_index: int
+
+
 @dataclass
 class SweepPlan:
     """A validated sweep: every point already holds an :class:`ExperimentConfig`."""
@@ -80,6 +126,9 @@ class SweepPlan:
     points: list[SweepPoint]
     source: str = "sweep"
     description: str = ""
+    select: Selection | None = None
+    validation: list[ValidationPoint] = field(default_factory=list)
+    """With ``select``: the validation runs, built (and so checked) with the plan."""
 
     def default_dir(self) -> Path:
         """``<base run.out_dir>/<name>`` (so the same command finds the same sweep again)."""
@@ -128,12 +177,16 @@ def _read_yaml(path: Path, what: str) -> Any:
         raise ConfigError(f"{what} {path} is not valid YAML: {exc}") from None
 
 
-def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> SweepPlan:
+def load_sweep(
+    path: str | Path, overrides: Sequence[str] = (), select: str | None = None
+) -> SweepPlan:
     """Read a sweep file and validate every grid point (nothing runs).
 
     ``overrides`` are ``key=value`` strings (``protofl sweep --set``): a key that is a grid axis
     replaces that axis's values (``seed=[1, 2]`` runs only those seeds); any other key is set in
-    the base config (``federation.checkpoint=false``).
+    the base config (``federation.checkpoint=false``). ``select`` (``protofl sweep --select``)
+    is ``KEY`` or ``KEY=[values]``: it sets ``select.key`` (and ``select.values``), keeping the
+    file's other ``select`` settings.
     """
     path = Path(path)
     data = _read_yaml(path, "sweep file")
@@ -141,6 +194,8 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> SweepPlan:
         raise ConfigError(f"sweep file {path} must hold a mapping with base: and grid:")
     if overrides:
         data = apply_sweep_overrides(data, overrides, source=str(path), base_dir=path.parent)
+    if select is not None:
+        data = {**data, "select": _select_override(data.get("select"), select)}
     return plan_sweep(data, source=str(path), base_dir=path.parent, default_name=path.stem)
 
 
@@ -207,35 +262,29 @@ def plan_sweep(
     for key, values in grid.items():
         _build_point(base, {key: values[0]}, source, key)
     name = str(data.get("name") or default_name)
-    points: list[SweepPoint] = []
     combos = list(itertools.product(*grid.values())) if grid else [()]
-    width = max(3, len(str(len(combos) - 1)))
-    seen: dict[str, int] = {}
-    for index, combo in enumerate(combos):
-        overrides = dict(zip(grid.keys(), combo))
-        slug = point_slug(overrides)
-        if "name" not in overrides:
-            overrides_with_name = {**overrides, "name": f"{_safe(name)}-{slug}"}
-        else:
-            overrides_with_name = dict(overrides)
-        label = ", ".join(f"{k}={_show(v)}" for k, v in overrides.items())
-        config = _build_point(base, overrides_with_name, source, f"grid point {index} ({label})")
-        fingerprint = json.dumps({**config.to_dict(), "name": None}, sort_keys=True)
-        if fingerprint in seen:
-            raise ConfigError(
-                f"{source}: grid points {seen[fingerprint]} and {index} give the same config "
-                f"({label}); remove the duplicate value"
-            )
-        seen[fingerprint] = index
-        points.append(
-            SweepPoint(
-                index=index,
-                overrides=overrides,
-                config=config,
-                dirname=f"{index:0{width}d}-{slug}",
-            )
-        )
+    points = make_points(base, [dict(zip(grid.keys(), c)) for c in combos], name, source)
     _check_registries(points, source)
+    select = _parse_select(data.get("select"), base, grid, source)
+    validation: list[ValidationPoint] = []
+    if select is not None:
+        pairs = [(p, j) for p in points for j in range(len(select.values))]
+        vpoints = make_points(
+            base,
+            [
+                {
+                    **p.overrides,
+                    select.key: select.values[j],
+                    VALIDATION_KEY: select.validation_fraction,
+                }
+                for p, j in pairs
+            ],
+            f"{name}-select",
+            source,
+            what="validation run",
+        )
+        _check_registries(vpoints, source)
+        validation = [ValidationPoint(v, p.index, j) for v, (p, j) in zip(vpoints, pairs)]
     return SweepPlan(
         name=name,
         base=base,
@@ -243,7 +292,51 @@ def plan_sweep(
         points=points,
         source=source,
         description=str(data.get("description") or ""),
+        select=select,
+        validation=validation,
     )
+
+
+def make_points(
+    base: Mapping[str, Any],
+    combos: Sequence[Mapping[str, Any]],
+    name: str,
+    source: str,
+    *,
+    dir_index: Sequence[int] | None = None,
+    what: str = "grid point",
+) -> list[SweepPoint]:
+    """One validated :class:`SweepPoint` per override mapping, indexed in order; folder names
+    ``<dir_index>-<slug>`` (default: the position); two points with one config fail."""
+    points: list[SweepPoint] = []
+    numbers = list(dir_index) if dir_index is not None else list(range(len(combos)))
+    width = max(3, len(str(max(numbers, default=0))))
+    seen: dict[str, int] = {}
+    for index, (number, combo) in enumerate(zip(numbers, combos)):
+        overrides = dict(combo)
+        slug = point_slug(overrides)
+        if "name" not in overrides:
+            overrides_with_name = {**overrides, "name": f"{_safe(name)}-{slug}"}
+        else:
+            overrides_with_name = dict(overrides)
+        label = ", ".join(f"{k}={_show(v)}" for k, v in overrides.items())
+        config = _build_point(base, overrides_with_name, source, f"{what} {number} ({label})")
+        fingerprint = json.dumps({**config.to_dict(), "name": None}, sort_keys=True)
+        if fingerprint in seen:
+            raise ConfigError(
+                f"{source}: {what}s {seen[fingerprint]} and {number} give the same config "
+                f"({label}); remove the duplicate value"
+            )
+        seen[fingerprint] = number
+        points.append(
+            SweepPoint(
+                index=index,
+                overrides=overrides,
+                config=config,
+                dirname=f"{number:0{width}d}-{slug}",
+            )
+        )
+    return points
 
 
 def _resolve_base(base: Any, source: str, base_dir: Path | None) -> dict[str, Any]:
@@ -308,6 +401,301 @@ def _check_registries(points: Sequence[SweepPoint], source: str) -> None:
             preflight(cfg)
         except (ConfigError, ValueError) as exc:
             raise ConfigError(f"{source}: grid point {p.index} ({p.label()}): {exc}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# select: choosing a setting on validation splits
+# --------------------------------------------------------------------------------------------
+def _select_override(current: Any, text: str) -> dict[str, Any]:
+    """``--select KEY`` or ``--select KEY=[values]`` over the file's ``select`` mapping."""
+    out = dict(current) if isinstance(current, Mapping) else {}
+    key, _, raw = (part.strip() for part in text.partition("="))
+    if not key:
+        raise ConfigError(f"--select {text!r} must look like KEY or KEY=[values]")
+    if out.get("key") not in (None, key):
+        out.pop("values", None)  # another key: the file's candidates were for the old one
+    out["key"] = key
+    if raw:
+        try:
+            out["values"] = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--select {key}: {raw!r} is not valid YAML: {exc}") from None
+    return out
+
+
+def _parse_select(
+    raw: Any, base: Mapping[str, Any], grid: Mapping[str, list[Any]], source: str
+) -> Selection | None:
+    """Validate ``select:`` (a mapping, or just the key); errors name ``select.<key>``."""
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        raw = {"key": raw}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{source}: select must be a mapping with key: and values:, got {raw!r}")
+    for k in raw:
+        if k not in SELECT_KEYS:
+            raise ConfigError(
+                f"{source}: unknown select key {k!r}{nearest(str(k), list(SELECT_KEYS))}; "
+                f"valid keys: {', '.join(SELECT_KEYS)}"
+            )
+    key = raw.get("key")
+    if not isinstance(key, str) or not key:
+        raise ConfigError(f"{source}: select.key must name a dotted config key, got {key!r}")
+    if key in grid:
+        raise ConfigError(
+            f"{source}: select.key={key} is also a grid axis; remove it from grid: (select "
+            "tries select.values itself)"
+        )
+    if key == VALIDATION_KEY or key in ("seed", "name"):
+        raise ConfigError(f"{source}: select.key={key} cannot be selected")
+    values = raw.get("values", SELECT_DEFAULT_VALUES.get(key))
+    if values is None:
+        raise ConfigError(f"{source}: select.values is required for select.key={key}")
+    if not isinstance(values, list) or not values:
+        raise ConfigError(f"{source}: select.values must be a non-empty list, got {values!r}")
+    if len({json.dumps(v, sort_keys=True, default=str) for v in values}) < len(values):
+        raise ConfigError(f"{source}: select.values {values!r} lists a value twice")
+    for v in values:  # the key exists and takes every candidate (one line, naming it)
+        _build_point(base, {key: v}, source, f"select.key={key}, value {_show(v)}")
+    fraction = raw.get("validation_fraction", 0.2)
+    if not isinstance(fraction, int | float) or isinstance(fraction, bool) or not 0 < fraction < 1:
+        raise ConfigError(
+            f"{source}: select.validation_fraction={fraction!r} must be a number in (0, 1)"
+        )
+    metric = raw.get("metric", "headline")
+    if metric not in SELECT_METRICS:
+        raise ConfigError(
+            f"{source}: select.metric={metric!r}; choose one of {', '.join(SELECT_METRICS)}"
+        )
+    per_raw = raw.get("per")
+    if per_raw is None:
+        per = tuple(k for k in grid if k not in ("seed", "name"))
+    else:
+        if isinstance(per_raw, str):
+            per_raw = [per_raw]
+        if not isinstance(per_raw, list) or any(k not in grid for k in per_raw):
+            raise ConfigError(
+                f"{source}: select.per={per_raw!r} must list grid axes ({', '.join(grid)})"
+            )
+        per = tuple(per_raw)
+    return Selection(key, list(values), float(fraction), str(metric), per)
+
+
+def _score(summary: Mapping[str, Any], metric: str) -> float:
+    """A finished run's AVG under ``metric`` (``headline``: the run's own ``run.headline``)."""
+    if metric == "headline":
+        headline = summary.get("headline")
+        if isinstance(headline, Mapping) and headline.get("avg_acc") is not None:
+            return float(headline["avg_acc"])
+        return float(summary["avg_acc"])
+    return float(summary["avg_acc_last5" if metric == "last5" else "avg_acc"])
+
+
+def _read_summary(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+@dataclass
+class SelectionResult:
+    """What a selection sweep did: its validation runs, its test runs and the record."""
+
+    sweep_dir: Path
+    validation: SweepResult
+    test: SweepResult
+    record: dict[str, Any]
+
+    @property
+    def failed(self) -> list[RunStatus]:
+        """Validation and test runs that failed."""
+        return self.validation.failed + self.test.failed
+
+
+def choose(plan: SweepPlan, select_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """From the finished validation runs in ``select_dir``: the selection record (per group:
+    every candidate's validation accuracies and the choice) and, for every grid point of a
+    group that could choose, its test overrides (``grid_index`` and ``overrides``)."""
+    sel = plan.select
+    assert sel is not None
+    groups: dict[tuple[Any, ...], list[SweepPoint]] = {}
+    for p in plan.points:
+        groups.setdefault(tuple(_show(p.overrides.get(k)) for k in sel.per), []).append(p)
+    by_point: dict[tuple[int, int], ValidationPoint] = {
+        (v.grid_index, v.value_index): v for v in plan.validation
+    }
+    record: dict[str, Any] = {
+        "key": sel.key,
+        "grid": sel.values,
+        "validation_fraction": sel.validation_fraction,
+        "metric": sel.metric,
+        "per": list(sel.per),
+        "selected_on": "a seeded validation split of every client's training data "
+        "(data.validation_fraction); the test set is not read during selection",
+        "groups": [],
+    }
+    tests: list[dict[str, Any]] = []
+    for members in groups.values():
+        entry: dict[str, Any] = {
+            "group": {k: members[0].overrides.get(k) for k in sel.per},
+            "validation": [],
+        }
+        means: list[float] = []
+        missing: list[str] = []
+        for j, value in enumerate(sel.values):
+            runs: dict[str, float] = {}
+            for p in members:
+                v = by_point[(p.index, j)]
+                summary = _read_summary(select_dir / v.point.dirname)
+                if summary is None or "avg_acc" not in summary:
+                    missing.append(f"{SELECT_DIR}/{v.point.dirname}")
+                    continue
+                runs[f"{SELECT_DIR}/{v.point.dirname}"] = _score(summary, sel.metric)
+            mean = sum(runs.values()) / len(runs) if len(runs) == len(members) else None
+            entry["validation"].append({"value": value, "avg_acc": mean, "runs": runs})
+            if mean is not None:
+                means.append(mean)
+        if missing:
+            entry["status"] = "failed"
+            entry["error"] = "validation runs did not finish: " + ", ".join(missing)
+            entry["chosen"] = None
+        else:
+            best = max(range(len(means)), key=lambda i: (means[i], -i))  # ties: listed first
+            entry["status"] = "chosen"
+            entry["chosen"] = sel.values[best]
+            for p in members:
+                tests.append(
+                    {
+                        "grid_index": p.index,
+                        "overrides": {**p.overrides, sel.key: sel.values[best]},
+                    }
+                )
+        record["groups"].append(entry)
+    return record, tests
+
+
+def run_selection(
+    plan: SweepPlan,
+    *,
+    sweep_dir: str | Path | None = None,
+    jobs: int | None = None,
+    home: Path | None = None,
+    progress: bool = True,
+    warm_cache: bool = True,
+) -> SelectionResult:
+    """Run a ``select:`` sweep: the validation runs, the choice per group, then the test runs
+    at the chosen values; writes ``selection.json`` (see the module docstring)."""
+    from protofl.engine.rundir import FolderLock
+
+    if plan.select is None:
+        raise ValueError(f"sweep {plan.name} has no select: section")
+    sweep_dir = Path(sweep_dir) if sweep_dir is not None else plan.default_dir()
+    select_dir = sweep_dir / SELECT_DIR
+    with FolderLock(sweep_dir, "sweep"):
+        vplan = SweepPlan(
+            name=f"{plan.name}-select",
+            base=plan.base,
+            grid=plan.grid,
+            points=[v.point for v in plan.validation],
+            source=plan.source,
+            description=f"validation runs choosing {plan.select.key} for sweep {plan.name}",
+        )
+        vres = run_sweep(
+            vplan,
+            sweep_dir=select_dir,
+            jobs=jobs,
+            home=home,
+            progress=progress,
+            warm_cache=warm_cache,
+        )
+        record, tests = choose(plan, select_dir)
+        tpoints = make_points(
+            plan.base,
+            [t["overrides"] for t in tests],
+            plan.name,
+            plan.source,
+            dir_index=[t["grid_index"] for t in tests],
+        )
+        tplan = SweepPlan(
+            name=plan.name,
+            base=plan.base,
+            grid=plan.grid,
+            points=tpoints,
+            source=plan.source,
+            description=plan.description,
+        )
+        tres = _run_sweep(
+            tplan,
+            sweep_dir=sweep_dir,
+            jobs=jobs,
+            home=home,
+            progress=progress,
+            warm_cache=warm_cache,
+            on_update=None,
+        )
+        _record_tests(record, plan, tpoints, tests, sweep_dir)
+        from protofl.data.cache import atomic_write_bytes
+
+        atomic_write_bytes(
+            sweep_dir / SELECTION_FILE,
+            (json.dumps(record, indent=1, default=str) + "\n").encode(),
+        )
+    return SelectionResult(sweep_dir=sweep_dir, validation=vres, test=tres, record=record)
+
+
+def _record_tests(
+    record: dict[str, Any],
+    plan: SweepPlan,
+    tpoints: Sequence[SweepPoint],
+    tests: Sequence[Mapping[str, Any]],
+    sweep_dir: Path,
+) -> None:
+    """Add each group's test accuracy at its chosen value (mean over its runs) to ``record``."""
+    sel = plan.select
+    assert sel is not None
+    for entry in record["groups"]:
+        if entry["chosen"] is None:
+            continue
+        runs: dict[str, float] = {}
+        for point in tpoints:
+            if all(_show(point.overrides.get(k)) == _show(v) for k, v in entry["group"].items()):
+                summary = _read_summary(sweep_dir / point.dirname)
+                if summary is not None and "avg_acc" in summary:
+                    runs[point.dirname] = _score(summary, sel.metric)
+        entry["test"] = {
+            "value": entry["chosen"],
+            "avg_acc": sum(runs.values()) / len(runs) if runs else None,
+            "runs": runs,
+        }
+
+
+def format_selection(record: Mapping[str, Any]) -> str:
+    """One line per group: the validation accuracy of every candidate, the choice, its test."""
+    lines = [
+        f"{record['key']} chosen on validation splits ({record['validation_fraction']:g} of "
+        f"every client's training data, metric {record['metric']}); the test set was not read "
+        "while choosing"
+    ]
+    for entry in record["groups"]:
+        label = ", ".join(f"{k}={_show(v)}" for k, v in entry["group"].items()) or "all"
+        shown = ", ".join(
+            f"{_show(c['value'])}: "
+            + ("-" if c["avg_acc"] is None else f"{100 * c['avg_acc']:.2f}")
+            for c in entry["validation"]
+        )
+        if entry["chosen"] is None:
+            lines.append(f"  {label}: validation AVG {shown}; no choice ({entry['error']})")
+            continue
+        test = entry.get("test", {}).get("avg_acc")
+        test_text = "not finished" if test is None else f"{100 * test:.2f}"
+        lines.append(
+            f"  {label}: validation AVG {shown} -> {record['key']}={_show(entry['chosen'])}, "
+            f"test AVG {test_text}"
+        )
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------
@@ -537,6 +925,8 @@ def run_sweep(
     """
     from protofl.engine.rundir import FolderLock
 
+    if plan.select is not None:
+        raise ValueError(f"sweep {plan.name} selects {plan.select.key}: run it with run_selection")
     sweep_dir = Path(sweep_dir) if sweep_dir is not None else plan.default_dir()
     with FolderLock(sweep_dir, "sweep"):  # one sweep at a time in a folder
         return _run_sweep(

@@ -55,33 +55,67 @@ def _finished_runs(args: argparse.Namespace) -> list[Any]:
 # --------------------------------------------------------------------------------------------
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Validate the grid, run what is not complete, print the summary (exit 1 if runs failed)."""
-    from protofl.engine.sweep import format_sweep_result, load_sweep, run_sweep
+    from protofl.engine.sweep import (
+        SELECT_DIR,
+        format_selection,
+        format_sweep_result,
+        load_sweep,
+        run_selection,
+        run_sweep,
+    )
 
-    plan = load_sweep(args.sweep_file, args.set or ())
+    plan = load_sweep(args.sweep_file, args.set or (), select=args.select)
     sweep_dir = Path(args.out) if args.out else plan.default_dir()
     if args.dry_run:
         from protofl.engine.sweep import run_is_done
 
+        if plan.select is not None:
+            sel = plan.select
+            print(
+                f"sweep {plan.name}: {len(plan.validation)} validation runs in "
+                f"{sweep_dir / SELECT_DIR} choosing {sel.key} among "
+                f"{', '.join(str(v) for v in sel.values)}, then {len(plan.points)} test runs "
+                f"in {sweep_dir} (all configs valid)"
+            )
+            for v in plan.validation:
+                done = run_is_done(v.point.run_dir(sweep_dir / SELECT_DIR))
+                print(f"  {v.point.dirname}  {'done' if done else 'to run'}  {v.point.label()}")
+            return 0
         print(f"sweep {plan.name}: {len(plan.points)} runs in {sweep_dir} (all configs valid)")
         for p in plan.points:
             done = run_is_done(p.run_dir(sweep_dir))
             print(f"  {p.dirname}  {'done' if done else 'to run'}  {p.label()}")
         return 0
     try:
-        result = run_sweep(
-            plan,
-            sweep_dir=sweep_dir,
-            jobs=args.jobs,
-            progress=not args.quiet,
-            warm_cache=not args.no_warm_cache,
-        )
+        if plan.select is not None:
+            selection = run_selection(
+                plan,
+                sweep_dir=sweep_dir,
+                jobs=args.jobs,
+                progress=not args.quiet,
+                warm_cache=not args.no_warm_cache,
+            )
+            print(format_sweep_result(selection.validation))
+            print(format_sweep_result(selection.test))
+            print(format_selection(selection.record))
+            result = selection.test
+            failed = bool(selection.failed)
+        else:
+            result = run_sweep(
+                plan,
+                sweep_dir=sweep_dir,
+                jobs=args.jobs,
+                progress=not args.quiet,
+                warm_cache=not args.no_warm_cache,
+            )
+            print(format_sweep_result(result))
+            failed = bool(result.failed)
     except KeyboardInterrupt:
         print(
             f"protofl: sweep stopped; run the same command again to resume ({sweep_dir})",
             file=sys.stderr,
         )
         return 130
-    print(format_sweep_result(result))
     if not args.no_table and any(r.status == "done" for r in result.runs):
         from protofl.report.tables import aggregate, collect_runs, format_table
 
@@ -89,7 +123,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         if runs:
             print()
             print(format_table(aggregate(runs, metric=HEADLINE), "md"), end="")
-    return 1 if result.failed else 0
+    return 1 if failed else 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,6 +235,13 @@ def add_report_parsers(subparsers: Any) -> None:
         metavar="KEY=VALUE",
         help="replace a grid axis (seed=[1,2]) or set a base config key "
         "(federation.checkpoint=false); repeatable",
+    )
+    sw.add_argument(
+        "--select",
+        metavar="KEY[=VALUES]",
+        help="choose KEY on validation splits of the clients' training data, never the test "
+        "set, per grid group, then run the choice on test (privacy.clip: 5, 10, 15, 20 by "
+        "default; privacy.clip=[5,10] for others); sets the sweep file's select.key",
     )
     sw.add_argument("--quiet", action="store_true", help="no progress display")
     sw.add_argument(
