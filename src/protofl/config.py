@@ -174,9 +174,15 @@ class FederationConfig:
     # unweighted: a client's claimed size buys it nothing)
     weight_aggregation: str = "mean"
     weight_trim_ratio: float = 0.2
+    # evaluation at scale: every k-th round (the last five rounds always, on the whole test
+    # sets) on a fixed seeded subsample of each test set of this many samples (0: all of it)
+    eval_every: int = 1
+    eval_samples: int = 0
 
     def __post_init__(self) -> None:
         check_range("federation.rounds", self.rounds, low=1)
+        check_range("federation.eval_every", self.eval_every, low=1)
+        check_range("federation.eval_samples", self.eval_samples, low=0)
         check_range("federation.local_epochs", self.local_epochs, low=1)
         check_range("federation.checkpoint_every", self.checkpoint_every, low=1)
         check_range("federation.batch_size", self.batch_size, low=1)

@@ -43,6 +43,7 @@ class Stream(IntEnum):
     DIAGNOSTICS = 5
     LOCAL_RNG = 6
     AUDIT = 7
+    EVAL = 8
     DATA = 0xDA7A
 
 

@@ -68,3 +68,35 @@ def test_weight_sharing_run_with_a_robust_rule() -> None:
     for k in states[0]:  # everyone got the same (median) weights
         assert all(torch.equal(states[0][k], s[k]) for s in states)
     assert hist[-1].train_loss < hist[0].train_loss
+
+
+def test_evaluation_plan_keeps_the_last_five_rounds_whole() -> None:
+    from protofl.config import FederationConfig
+    from protofl.engine.round import evaluation_plan
+
+    fed = FederationConfig(rounds=10, eval_every=3, eval_samples=50)
+    plan = [evaluation_plan(fed, r) for r in range(10)]
+    # rounds 3 and 6 (1-based) of the first five are sampled, the last five whole
+    assert plan == ["none", "none", "sample", "none", "none"] + ["full"] * 5
+    every = FederationConfig(rounds=10, eval_every=3)
+    assert [evaluation_plan(every, r) for r in range(5)] == ["none", "none", "full", "none", "none"]
+    assert {evaluation_plan(FederationConfig(rounds=10), r) for r in range(10)} == {"full"}
+
+
+def test_eval_subsample_is_seeded_sorted_and_whole_when_not_smaller() -> None:
+    from protofl.engine.round import eval_subsample
+
+    a = eval_subsample(100, 10, torch.Generator().manual_seed(3))
+    b = eval_subsample(100, 10, torch.Generator().manual_seed(3))
+    assert a is not None and b is not None and torch.equal(a, b)
+    assert len(set(a.tolist())) == 10 and torch.equal(a, a.sort().values)
+    assert eval_subsample(100, 100, torch.Generator()) is None
+    assert eval_subsample(100, 0, torch.Generator()) is None
+
+
+@pytest.mark.parametrize("key", ["federation.eval_every=0", "federation.eval_samples=-1"])
+def test_bad_evaluation_budget_is_named(key: str) -> None:
+    from protofl.methods.checks import tiny_config
+
+    with pytest.raises(ConfigError, match=key.split("=")[0]):
+        tiny_config("fedproto", "none").with_overrides([key])

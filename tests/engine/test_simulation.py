@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
+import pytest
 import torch
 
 from protofl.engine.batched import BatchedTrainer
@@ -129,3 +131,34 @@ def test_bf16_autocast_trains_sequentially_and_batched_falls_back(caplog: Any) -
     with caplog.at_level(logging.INFO, logger="protofl.engine.batched"):
         trainer = BatchedTrainer(batched)
     assert not trainer.supported and "run.amp=bf16 is not batched" in caplog.text
+
+
+def test_an_evaluation_budget_leaves_training_and_the_headline_unchanged() -> None:
+    """eval_every/eval_samples only change which rounds are measured, and on what: the final
+    (and last-5) figures equal a run evaluated in full every round, sampled rounds are the
+    accuracy on each test set's fixed subsample, skipped rounds have none."""
+    for execution in ("sequential", "batched"):
+        base = {"federation.rounds": 8, "federation.execution": execution}
+        full = _sim(mechanism="igpp", **base)
+        full.run()
+        budget = {**base, "federation.eval_every": 2, "federation.eval_samples": 7}
+        sim = _sim(mechanism="igpp", **budget)
+        sim.run()
+        plan = [h.evaluation for h in sim.history]
+        assert plan == ["none", "sample", "none"] + ["full"] * 5
+        assert [h.avg_acc for h in sim.history[3:]] == [h.avg_acc for h in full.history[3:]]
+        assert all(math.isnan(sim.history[i].avg_acc) and sim.history[i].acc == {} for i in (0, 2))
+        # training is untouched by evaluation: every release equals the full run's
+        for ra, rb in zip(_releases(sim), _releases(full)):
+            assert all(torch.equal(a, b) for a, b in zip(ra, rb))
+        # the sampled round: each client's accuracy on its set's 7 fixed samples
+        sampled = sim.history[1].client_acc
+        for c in sim.clients:
+            z, y = sim.test_set(c, sample=True)
+            assert len(y) == 7 and z.shape[0] == 7
+            assert sampled[c.data.name] * 7 == pytest.approx(round(sampled[c.data.name] * 7))
+        # clients of one domain share their subsample
+        by_domain = {}
+        for c in sim.clients:
+            by_domain.setdefault(c.data.domain, set()).add(id(sim.test_set(c, sample=True)[0]))
+        assert all(len(ids) == 1 for ids in by_domain.values())

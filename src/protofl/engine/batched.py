@@ -1017,9 +1017,10 @@ class BatchedTrainer:
         idx = torch.tensor(rows, device=next(iter(store.values())).device)
         return {n: t.index_select(0, idx) for n, t in store.items()}
 
-    def evaluate(self) -> dict[str, float]:
-        """:meth:`Simulation.evaluate` (every client's accuracy on its domain's test set), with
-        the clients that share a test set predicted together (see :meth:`predict_many`)."""
+    def evaluate(self, sample: bool = False) -> dict[str, float]:
+        """:meth:`Simulation.evaluate` (every client's accuracy on its domain's test set, or on
+        its fixed subsample), with the clients that share a test set predicted together (see
+        :meth:`predict_many`)."""
         sim = self.sim
         groups: dict[int, list[Client]] = {}
         for c in sim.clients:
@@ -1027,7 +1028,7 @@ class BatchedTrainer:
             groups.setdefault(id(c.data.test_z), []).append(c)
         acc: dict[str, float] = {}
         for members in groups.values():
-            z, y = members[0].data.test_z, members[0].data.test_y
+            z, y = sim.test_set(members[0], sample)
             if len(y) == 0:
                 for c in members:
                     acc[c.data.name] = 0.0

@@ -55,6 +55,8 @@ class RoundMetrics:
     feature_norms: dict[str, dict[str, float]] = field(default_factory=dict)
     mia: dict[str, dict[str, float]] = field(default_factory=dict)
     missing_classes: list[int] = field(default_factory=list)
+    # how the round was evaluated (:func:`evaluation_plan`): full | sample | none (no accuracy)
+    evaluation: str = "full"
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe dict for metrics.jsonl."""
@@ -73,6 +75,7 @@ class RoundMetrics:
             "feature_norms": self.feature_norms,
             "mia": self.mia,
             "missing_classes": self.missing_classes,
+            "evaluation": self.evaluation,
             "local_only": list(LOCAL_ONLY_FIELDS),
         }
 
@@ -236,9 +239,11 @@ def round_metrics(
     feature_norms: dict[str, dict[str, float]] | None = None,
     mia: dict[str, dict[str, float]] | None = None,
     missing: Sequence[int] = (),
+    evaluation: str = "full",
 ) -> RoundMetrics:
     """The round's row: per-domain accuracy (the mean over the domain's clients, in the order
-    the clients are given), their mean (AVG) and spread (STD), the mean training loss."""
+    the clients are given), their mean (AVG) and spread (STD), the mean training loss.  A round
+    that was not evaluated (``evaluation="none"``, no ``client_acc``) has NaN accuracies."""
     per_domain: dict[str, list[float]] = {}
     for name, a in client_acc.items():
         per_domain.setdefault(domain_of[name], []).append(a)
@@ -259,7 +264,33 @@ def round_metrics(
         feature_norms=feature_norms or {},
         mia=mia or {},
         missing_classes=list(missing),
+        evaluation=evaluation,
     )
+
+
+EVAL_ALWAYS_LAST = 5
+"""The last rounds that are always evaluated on the whole test sets (the headline metrics,
+``final`` and ``last5``, are never estimated from a subsample)."""
+
+
+def evaluation_plan(fed: FederationConfig, round_index: int) -> str:
+    """How round ``round_index`` (0-based) is evaluated under ``federation.eval_every`` and
+    ``federation.eval_samples``: ``full`` (every test set whole: the last
+    :data:`EVAL_ALWAYS_LAST` rounds, and every round by default), ``sample`` (each test set's
+    fixed seeded subsample) or ``none`` (skipped: no accuracy that round)."""
+    if round_index >= fed.rounds - EVAL_ALWAYS_LAST:
+        return "full"
+    if (round_index + 1) % fed.eval_every != 0:
+        return "none"
+    return "sample" if fed.eval_samples > 0 else "full"
+
+
+def eval_subsample(size: int, samples: int, generator: torch.Generator) -> torch.Tensor | None:
+    """Sorted indices of a seeded subsample of ``samples`` of ``size`` test samples (None: the
+    whole set, when ``samples`` is 0 or not smaller)."""
+    if samples <= 0 or samples >= size:
+        return None
+    return torch.randperm(size, generator=generator)[:samples].sort().values
 
 
 def privacy_status(

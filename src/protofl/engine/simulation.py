@@ -22,6 +22,8 @@ from protofl.engine.optimizers import make_optimizer
 from protofl.engine.round import (
     RoundMetrics,
     combine_weights,
+    eval_subsample,
+    evaluation_plan,
     missing_classes,
     privacy_status,
     round_metrics,
@@ -174,6 +176,8 @@ class Simulation:
         # with noisy add/remove counts, the server weights a client by the sum of its last noisy
         # counts (post-processing), never by the exact count
         self.public_counts: dict[int, int] = {}
+        # federation.eval_samples: each test set's fixed subsample (by the set's identity)
+        self._eval_sets: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ----- what the server may know about a client's size --------------------------------------
     @property
@@ -398,23 +402,42 @@ class Simulation:
             c.model.load_state_dict(avg, strict=not plan.local)
         self.global_state["__weights_round"] = torch.tensor(self.round)
 
+    def test_set(self, c: Client, sample: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The test inputs and labels ``c`` is evaluated on: its domain's whole test set, or
+        (``sample``) that set's fixed subsample of ``federation.eval_samples``, drawn once from
+        the run's seed and the test set's domain and shared by every client of the set."""
+        z, y = c.data.test_z, c.data.test_y
+        if not sample or self.config.federation.eval_samples <= 0:
+            return z, y
+        key = id(z)
+        if key not in self._eval_sets:
+            gen = generator(self.config.seed, Stream.EVAL, max(c.data.domain, 0))
+            idx = eval_subsample(len(y), self.config.federation.eval_samples, gen)
+            if idx is None:
+                self._eval_sets[key] = (z, y)
+            else:
+                self._eval_sets[key] = (z[idx.to(z.device)], y[idx.to(y.device)])
+        return self._eval_sets[key]
+
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Accuracy of every client on its own domain's test set (fractions)."""
+    def evaluate(self, sample: bool = False) -> dict[str, float]:
+        """Accuracy of every client on its own domain's test set (fractions); ``sample``: on
+        the set's fixed subsample (:meth:`test_set`)."""
         trainer = self.batched_trainer()
         if trainer is not None:
-            return trainer.evaluate()  # type: ignore[no-any-return]
+            return trainer.evaluate(sample)  # type: ignore[no-any-return]
         out: dict[str, float] = {}
         for c in self.clients:
             c.model.eval()
+            test_z, test_y = self.test_set(c, sample)
             correct = 0
-            for start in range(0, len(c.data.test_y), EVAL_BATCH):
-                z = c.data.test_z[start : start + EVAL_BATCH].float()
-                y = c.data.test_y[start : start + EVAL_BATCH]
+            for start in range(0, len(test_y), EVAL_BATCH):
+                z = test_z[start : start + EVAL_BATCH].float()
+                y = test_y[start : start + EVAL_BATCH]
                 with autocast(self.device, self.amp):
                     pred = self.method.predict(c.model, z, self.global_state, c.state)
                 correct += int((pred == y).sum())
-            out[c.data.name] = correct / max(len(c.data.test_y), 1)
+            out[c.data.name] = correct / max(len(test_y), 1)
         return out
 
     @torch.no_grad()
@@ -450,7 +473,8 @@ class Simulation:
         losses = self.train_active([c for c, a in zip(self.clients, active) if a])
         if self.method.shares_weights and any(active):
             self.average_weights(active)
-        client_acc = self.evaluate()
+        plan = evaluation_plan(self.config.federation, self.round)
+        client_acc = self.evaluate(plan == "sample") if plan != "none" else {}
         metrics = round_metrics(
             round_number=self.round + 1,
             client_acc=client_acc,
@@ -458,12 +482,13 @@ class Simulation:
             losses=losses,
             wall_s=time.perf_counter() - t0,
             privacy=self.privacy_status(),
-            holdout_acc=self.evaluate_holdout(),
+            holdout_acc=self.evaluate_holdout() if plan != "none" else None,
             participants=[c.data.name for c, a in zip(self.clients, active) if a],
             rejected=rejected,
             feature_norms=self.last_feature_norms,
             mia=self.last_mia,
             missing=missing,
+            evaluation=plan,
         )
         self.round += 1
         self.history.append(metrics)

@@ -130,6 +130,12 @@ class ProtoStrategy(Strategy):
                 + " beside their weights, which the Flower engine does not carry; "
                 "use run.engine=sim"
             )
+        fed = config.federation
+        if fed.eval_every != 1 or fed.eval_samples != 0:
+            raise ValueError(
+                "federation.eval_every / federation.eval_samples (evaluation at scale) are run "
+                "by the in-process engine only; use run.engine=sim or leave them at 1 / 0"
+            )
         # accept the clients' local-only diagnostics record (protofl's own simulation only)
         self.diagnostics = diagnostics
         # every record.key the server received, per phase (the run record of what left clients)
