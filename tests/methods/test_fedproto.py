@@ -6,19 +6,7 @@ import torch
 from protofl.methods import create_method
 from protofl.methods.base import Batch, ClientState, Upload
 from protofl.models.client import ClientModel
-from protofl.privacy.base import Release
-
-
-def _release(protos: list[list[float]], classes: list[int], counts: list[int]) -> Release:
-    p = torch.tensor(protos)
-    return Release(
-        p,
-        torch.tensor(classes),
-        torch.tensor(counts),
-        torch.zeros(len(classes)),
-        torch.zeros_like(p),
-        "none",
-    )
+from tests.methods.helpers import _release
 
 
 def test_aggregation_weights_by_counts_over_clients_with_the_class() -> None:
