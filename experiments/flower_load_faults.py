@@ -104,7 +104,15 @@ def main(argv: list[str] | None = None) -> int:
             print(dep.logs(), file=sys.stderr)
             return 1
     left = [pid for pr in dep.procs for pid in group_alive(pr.pid)]
-    (summary_file,) = runs.glob("*/summary.json")
+    summaries = list(runs.glob("*/summary.json"))
+    if len(summaries) != 1:
+        # ``flwr run`` exits 0 even when the ServerApp failed: say so, with its last lines
+        log = work / "deploy" / "flwr-run.log"
+        tail = log.read_text().splitlines()[-12:] if log.is_file() else []
+        print(f"the run did not finish (no summary.json under {runs}):", file=sys.stderr)
+        print("\n".join(tail), file=sys.stderr)
+        return 1
+    (summary_file,) = summaries
     summary = json.loads(summary_file.read_text())
     history = [json.loads(s) for s in next(runs.glob("*/metrics.jsonl")).read_text().splitlines()]
     ledgers = {}
