@@ -7,6 +7,9 @@ import logging
 import platform
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -323,16 +326,76 @@ def _execute(
     lock: FolderLock | None = None,
     extension: dict[str, Any] | None = None,
 ) -> RunResult:
-    if lock is None:
-        lock = FolderLock(run_dir, "run")
-        lock.acquire()  # one process at a time in a run folder; released in the finally below
-    threads_before = torch.get_num_threads()
-    if config.run.threads is not None:
-        torch.set_num_threads(config.run.threads)
-    handler = attach_log(run_dir)
     show = config.run.progress if progress is None else progress
-    tensorboard: Any = None
+    threads_before = torch.get_num_threads()
+    session = RunSession(config, run_dir, lock=lock)
     try:
+        if config.run.threads is not None:
+            torch.set_num_threads(config.run.threads)
+        session.open(home=home, data=data, resume=resume, extension=extension, show=show)
+        if config.run.threads is None:
+            # the trainable part is tiny: one intra-op thread avoids oversubscription (measured
+            # 10x faster per step on a loaded 2-core machine); extraction above used them all
+            torch.set_num_threads(1)
+        history = _run_with_progress(session.sim, session.on_round, show, session.target)
+        return session.finish(history)
+    finally:
+        torch.set_num_threads(threads_before)
+        session.close()
+
+
+_LOG_SCOPE: ContextVar[Path | None] = ContextVar("protofl_log_scope", default=None)
+
+
+@contextmanager
+def log_scope(run_dir: Path | None) -> Iterator[None]:
+    """While open, only ``run_dir``'s ``run.log`` receives the engine's log lines (several runs
+    open in one process, as in a fused sweep); outside any scope every open run's log does."""
+    token = _LOG_SCOPE.set(run_dir)
+    try:
+        yield
+    finally:
+        _LOG_SCOPE.reset(token)
+
+
+class RunSession:
+    """One run folder open for rounds: its lock and log, its data and :class:`Simulation`
+    (resumed from the last checkpoint), ``on_round`` (metrics.jsonl, checkpoints, log line) and
+    ``finish`` (summary.json, artifacts).  ``_execute`` drives one session; a fused sweep
+    (:mod:`protofl.engine.fused`) drives several in lockstep, so both write the same folder."""
+
+    def __init__(
+        self, config: ExperimentConfig, run_dir: Path, *, lock: FolderLock | None = None
+    ) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self._lock = lock
+        self._handler: logging.Handler | None = None
+        self._tensorboard: Any = None
+        self.sim: Simulation = None  # type: ignore[assignment]  # set by open()
+        self.data: FederatedData | None = None
+        self.setup_s = 0.0
+        self.target = 0
+        self.extensions: list[dict[str, Any]] = []
+        self.metrics_path = run_dir / "metrics.jsonl"
+
+    def open(
+        self,
+        *,
+        home: Path | None,
+        data: FederatedData | None = None,
+        resume: bool = False,
+        extension: dict[str, Any] | None = None,
+        show: bool = False,
+    ) -> Simulation:
+        """Lock the folder, attach its log, build (or take) the data and the simulation, and
+        load the last checkpoint when ``resume``; returns the simulation."""
+        config, run_dir = self.config, self.run_dir
+        if self._lock is None:
+            self._lock = FolderLock(run_dir, "run")
+            self._lock.acquire()  # one process at a time in a run folder; released by close()
+        self._handler = attach_log(run_dir)
+        self._handler.addFilter(lambda record: _LOG_SCOPE.get() in (None, run_dir))
         t0 = time.perf_counter()
         home = home or protofl_home()
         if data is None:
@@ -340,48 +403,55 @@ def _execute(
 
             with progress_notes(show):  # feature extraction on a fresh cache takes minutes
                 data = build_federated_data(config, home)
-        setup_s = time.perf_counter() - t0
-        log.info("data ready in %.1fs: %d clients", setup_s, len(data.clients))
-        if config.run.threads is None:
-            # the trainable part is tiny: one intra-op thread avoids oversubscription (measured
-            # 10x faster per step on a loaded 2-core machine); extraction above used them all
-            torch.set_num_threads(1)
+        self.data = data
+        self.setup_s = time.perf_counter() - t0
+        log.info("data ready in %.1fs: %d clients", self.setup_s, len(data.clients))
         sim = Simulation(config, data, upload_hooks=diagnostics_for(config))
-        extensions = read_extensions(run_dir)
-        target = target_rounds(run_dir, config)
+        self.sim = sim
+        self.extensions = read_extensions(run_dir)
+        self.target = target_rounds(run_dir, config)
         if extension is not None:
             log.warning("extension of %s: %s", run_dir, extension["note"])
-        if target > config.federation.rounds:
-            raise_release_limit(sim.mechanism, target)
-        metrics_path = run_dir / "metrics.jsonl"
+        if self.target > config.federation.rounds:
+            raise_release_limit(sim.mechanism, self.target)
         if resume:
             state = load_latest_checkpoint(run_dir)
             if state is not None:
                 sim.load_state_dict(state)
             log.info("resuming %s after round %d", run_dir, sim.round)
             # metrics.jsonl may hold a round written after the last checkpoint: rewrite it
-            metrics_path.write_text("".join(json.dumps(m.to_json()) + "\n" for m in sim.history))
+            self.metrics_path.write_text(
+                "".join(json.dumps(m.to_json()) + "\n" for m in sim.history)
+            )
         else:
-            metrics_path.write_text("")
-
+            self.metrics_path.write_text("")
         if config.run.tensorboard:
             from protofl.report.tensorboard import TensorBoardLogger
 
-            tensorboard = TensorBoardLogger(run_dir)
+            self._tensorboard = TensorBoardLogger(run_dir)
+        return sim
 
-        def on_round(m: RoundMetrics) -> None:
-            if tensorboard is not None:
-                tensorboard.log_round(m)
-            with open(metrics_path, "a") as fh:
-                fh.write(json.dumps(m.to_json()) + "\n")
-            fed = config.federation
-            if fed.checkpoint and (m.round % fed.checkpoint_every == 0 or m.round == target):
-                save_checkpoint(run_dir, m.round, sim.state_dict())
-            log.info(
-                "round %d: avg %.4f std %.4f loss %.4f", m.round, m.avg_acc, m.std_acc, m.train_loss
-            )
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint of this run holds (``Simulation.state_dict``)."""
+        return self.sim.state_dict()
 
-        history = _run_with_progress(sim, on_round, show, target)
+    def on_round(self, m: RoundMetrics) -> None:
+        """After each round: metrics.jsonl, TensorBoard, the checkpoint, the log line."""
+        if self._tensorboard is not None:
+            self._tensorboard.log_round(m)
+        with open(self.metrics_path, "a") as fh:
+            fh.write(json.dumps(m.to_json()) + "\n")
+        fed = self.config.federation
+        if fed.checkpoint and (m.round % fed.checkpoint_every == 0 or m.round == self.target):
+            save_checkpoint(self.run_dir, m.round, self.checkpoint_state())
+        log.info(
+            "round %d: avg %.4f std %.4f loss %.4f", m.round, m.avg_acc, m.std_acc, m.train_loss
+        )
+
+    def finish(self, history: list[RoundMetrics]) -> RunResult:
+        """Write summary.json (and the artifacts with ``run.save_releases``)."""
+        config, run_dir, sim, data = self.config, self.run_dir, self.sim, self.data
+        assert data is not None
         if not history:
             raise ValueError(f"{run_dir}: no round has run (federation.rounds reached?)")
         summary = summarise(history)
@@ -397,7 +467,7 @@ def _execute(
                 "real_domains": data.real_domains,
                 "clients": [c.data.name for c in sim.clients],
                 "num_train": {c.data.name: c.data.num_train for c in sim.clients},
-                "setup_s": setup_s,
+                "setup_s": self.setup_s,
                 "privacy": extended_privacy(
                     {
                         **sim.mechanism.describe(),
@@ -405,7 +475,7 @@ def _execute(
                         "dcr": config.privacy.use_dcr,
                         "guarantee": sim.guarantee(),
                     },
-                    extensions,
+                    self.extensions,
                 ),
                 "units": "accuracies are fractions in [0, 1]; tables show percentages",
                 # where it computed (run.device resolved on this machine; docs/performance.md)
@@ -416,13 +486,19 @@ def _execute(
         if config.run.save_releases:
             save_artifacts(sim, run_dir)
         return RunResult(run_dir=run_dir, summary=summary, history=history)
-    finally:
-        if tensorboard is not None:
-            tensorboard.close()
-        torch.set_num_threads(threads_before)
-        logging.getLogger("protofl").removeHandler(handler)
-        handler.close()
-        lock.release()
+
+    def close(self) -> None:
+        """Close TensorBoard, detach the log, release the folder lock (idempotent)."""
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+        if self._handler is not None:
+            logging.getLogger("protofl").removeHandler(self._handler)
+            self._handler.close()
+            self._handler = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
 
 def _run_with_progress(
