@@ -122,6 +122,13 @@ def run_in_dir(
 ) -> RunResult:
     """Run (or, with ``resume``, continue) an experiment in a given folder (used by sweeps)."""
     run_dir = Path(run_dir)
+    prepare_run_dir(config, run_dir, resume=resume)
+    return _execute(config, run_dir, home=home, progress=progress, data=None, resume=resume)
+
+
+def prepare_run_dir(config: ExperimentConfig, run_dir: Path, *, resume: bool) -> None:
+    """Make ``run_dir`` a run folder for ``config`` (config.yaml and the run record, unless
+    there); with ``resume``, check that its config is the one it was made with."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if resume:
         check_resume(run_dir, config)
@@ -129,7 +136,6 @@ def run_in_dir(
         (run_dir / "config.yaml").write_text(config.to_yaml())
     if read_record(run_dir) is None:
         write_record(run_dir, config)
-    return _execute(config, run_dir, home=home, progress=progress, data=None, resume=resume)
 
 
 def resume_experiment(
