@@ -15,6 +15,19 @@ Every grid point gets a deterministic folder ``<sweep_dir>/<index>-<slug>`` (a n
 A point whose folder holds ``summary.json`` is done and is skipped; one with checkpoints is
 resumed from its last complete round; anything else starts afresh.
 
+Fused runs (``fuse:``, default ``true``; ``protofl sweep --no-fuse`` turns it off)::
+
+    fuse: true                    # run compatible points as one batched program
+
+Points with ``federation.execution: batched`` that differ only in ``seed`` and ``privacy.*``
+settings (mechanism, epsilon, noise seed, clip radius, ...; with DCR on, the DCR settings and
+the clip radius must agree, since DCR trains with them) form a fused group: their clients train,
+evaluate and upload in one batched program (:mod:`protofl.engine.fused`), each run keeping its
+own server step, ledger, noise streams and run folder; results equal the separate runs to float
+rounding.  A group whose runs turn out not to fit together (model shapes, a method that cannot
+batch, ...) runs its points one by one; ``sweep.log`` and each run's ``note`` in ``sweep.json``
+say why.  Sequential points (the default execution) never fuse.
+
 Selecting a setting without looking at the test set (``select:``)::
 
     select:
@@ -62,8 +75,9 @@ from protofl.registry import nearest
 
 log = logging.getLogger(__name__)
 
-SWEEP_KEYS = ("name", "description", "base", "grid", "select")
+SWEEP_KEYS = ("name", "description", "base", "grid", "select", "fuse")
 STATUS_FILE = "sweep.json"
+LOG_FILE = "sweep.log"
 ERROR_FILE = "error.txt"
 SELECT_KEYS = ("key", "values", "validation_fraction", "metric", "per")
 SELECT_METRICS = ("headline", "final", "last5")
@@ -129,6 +143,8 @@ class SweepPlan:
     select: Selection | None = None
     validation: list[ValidationPoint] = field(default_factory=list)
     """With ``select``: the validation runs, built (and so checked) with the plan."""
+    fuse: bool = True
+    """Run compatible batched points as fused groups (``fuse:``; see the module doc)."""
 
     def default_dir(self) -> Path:
         """``<base run.out_dir>/<name>`` (so the same command finds the same sweep again)."""
@@ -262,6 +278,9 @@ def plan_sweep(
     for key, values in grid.items():
         _build_point(base, {key: values[0]}, source, key)
     name = str(data.get("name") or default_name)
+    fuse = data.get("fuse", True)
+    if not isinstance(fuse, bool):
+        raise ConfigError(f"{source}: fuse must be true or false, got {fuse!r}")
     combos = list(itertools.product(*grid.values())) if grid else [()]
     points = make_points(base, [dict(zip(grid.keys(), c)) for c in combos], name, source)
     _check_registries(points, source)
@@ -294,6 +313,7 @@ def plan_sweep(
         description=str(data.get("description") or ""),
         select=select,
         validation=validation,
+        fuse=fuse,
     )
 
 
@@ -602,6 +622,7 @@ def run_selection(
             points=[v.point for v in plan.validation],
             source=plan.source,
             description=f"validation runs choosing {plan.select.key} for sweep {plan.name}",
+            fuse=plan.fuse,
         )
         vres = run_sweep(
             vplan,
@@ -626,6 +647,7 @@ def run_selection(
             points=tpoints,
             source=plan.source,
             description=plan.description,
+            fuse=plan.fuse,
         )
         tres = _run_sweep(
             tplan,
@@ -635,6 +657,7 @@ def run_selection(
             progress=progress,
             warm_cache=warm_cache,
             on_update=None,
+            fuse=plan.fuse,
         )
         _record_tests(record, plan, tpoints, tests, sweep_dir)
         from protofl.data.cache import atomic_write_bytes
@@ -747,6 +770,10 @@ class RunStatus:
     rounds: int = 0
     avg_acc: float | None = None
     wall_s: float | None = None
+    fused: int | None = None
+    """The fused group this run ran in (numbered in ``sweep.log``), None: on its own."""
+    note: str | None = None
+    """Why a run planned for a fused group ran on its own."""
 
     def to_json(self) -> dict[str, Any]:
         """JSON-safe dict."""
@@ -876,6 +903,79 @@ def _pool_execute(run_dir: str, config_yaml: str, home: str) -> dict[str, Any]:
     return execute_point(run_dir, config_yaml, home)
 
 
+def execute_group(
+    run_dirs: Sequence[str],
+    config_yamls: Sequence[str],
+    home: str | None,
+    *,
+    threads: int = 1,
+    on_round: Callable[[int, Any], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run (or resume) a fused group of points as one batched program; never raises.
+
+    A group that cannot fuse (:class:`~protofl.engine.fused.FusionUnavailable`), or whose fused
+    program fails, runs its points one by one (:func:`execute_point`, resuming from their
+    checkpoints); each outcome's ``note`` then says why."""
+    from protofl.engine.fused import FusedMember, FusionUnavailable, run_fused
+
+    t0 = time.perf_counter()
+    paths = [Path(d) for d in run_dirs]
+    try:
+        members: list[FusedMember] = []
+        starts: list[tuple[str, int | None]] = []
+        for path, text in zip(paths, config_yamls):
+            config = ExperimentConfig.from_dict(yaml.safe_load(text) or {}, source=str(path))
+            path.mkdir(parents=True, exist_ok=True)
+            (path / ERROR_FILE).unlink(missing_ok=True)
+            (path / "config.yaml").write_text(config.to_yaml())
+            resume = (path / "checkpoints.json").exists()
+            members.append(FusedMember(config, path, resume))
+            starts.append(("resumed", _last_checkpoint_round(path)) if resume else ("ran", None))
+        results = run_fused(
+            members, home=Path(home) if home else None, threads=threads, on_round=on_round
+        )
+    except FusionUnavailable as exc:
+        return _one_by_one(run_dirs, config_yamls, home, f"not fused: {exc}")
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        line = (f"{type(exc).__name__}: {exc}".strip().splitlines() or [""])[0]
+        note = f"the fused program stopped ({line}); its runs continued one by one"
+        return _one_by_one(run_dirs, config_yamls, home, note)
+    wall = time.perf_counter() - t0
+    return [
+        {
+            "status": "done",
+            "action": action,
+            "resumed_from": resumed_from,
+            "avg_acc": r.summary.get("avg_acc"),
+            "rounds": r.summary.get("rounds"),
+            "wall_s": wall,
+        }
+        for r, (action, resumed_from) in zip(results, starts)
+    ]
+
+
+def _one_by_one(
+    run_dirs: Sequence[str], config_yamls: Sequence[str], home: str | None, note: str
+) -> list[dict[str, Any]]:
+    outs = []
+    for d, text in zip(run_dirs, config_yamls):
+        out = execute_point(d, text, home)
+        out["fused"] = False
+        out["note"] = note
+        outs.append(out)
+    return outs
+
+
+def _pool_execute_group(
+    run_dirs: list[str], config_yamls: list[str], home: str, threads: int
+) -> list[dict[str, Any]]:
+    """In a worker: :func:`execute_group` (see :func:`_pool_execute`)."""
+    os.environ["PROTOFL_HOME"] = home
+    return execute_group(run_dirs, config_yamls, home, threads=threads)
+
+
 def _last_checkpoint_round(run_dir: Path) -> int | None:
     try:
         index = json.loads((run_dir / "checkpoints.json").read_text())
@@ -916,12 +1016,15 @@ def run_sweep(
     progress: bool = True,
     warm_cache: bool = True,
     on_update: ProgressFn | None = None,
+    fuse: bool | None = None,
 ) -> SweepResult:
     """Run every grid point that is not yet complete; failed points do not stop the others.
 
-    ``jobs`` worker processes (default: the number of cores) each run one point at a time
-    with one torch thread.  ``warm_cache`` first computes the frozen features of every distinct
-    data set-up once in this process, so the workers only read the shared cache.
+    ``jobs`` worker processes (default: the number of cores) each run one point (or one fused
+    group) at a time with one torch thread.  ``warm_cache`` first computes the frozen features
+    of every distinct data set-up once in this process, so the workers only read the shared
+    cache.  ``fuse`` (default: the plan's ``fuse:``, true) runs compatible batched points as
+    fused groups (see the module doc).
     """
     from protofl.engine.rundir import FolderLock
 
@@ -937,6 +1040,7 @@ def run_sweep(
             progress=progress,
             warm_cache=warm_cache,
             on_update=on_update,
+            fuse=plan.fuse if fuse is None else fuse,
         )
 
 
@@ -949,6 +1053,7 @@ def _run_sweep(
     progress: bool,
     warm_cache: bool,
     on_update: ProgressFn | None,
+    fuse: bool = True,
 ) -> SweepResult:
     from protofl.data.cache import protofl_home
 
@@ -988,7 +1093,7 @@ def _run_sweep(
         with display:
             if warm_cache and jobs > 1 and len(todo) > 1:
                 _warm_feature_cache(todo, home, display)
-            _drive(plan, todo, runs, sweep_dir, jobs, home, display, on_update)
+            _drive(plan, todo, runs, sweep_dir, jobs, home, display, on_update, fuse)
     except KeyboardInterrupt:
         for st in runs:
             if st.status in ("running", "pending"):
@@ -1000,6 +1105,57 @@ def _run_sweep(
     return SweepResult(sweep_dir=sweep_dir, runs=runs, wall_s=wall)
 
 
+def fusion_groups(todo: Sequence[SweepPoint], fuse: bool = True) -> list[list[SweepPoint]]:
+    """The sweep's tasks in order: a fused group (points whose configs have one
+    :func:`~protofl.engine.fused.fusion_key`) or a single point."""
+    if not fuse:
+        return [[p] for p in todo]
+    from protofl.engine.fused import fusion_key
+
+    tasks: list[list[SweepPoint]] = []
+    by_key: dict[str, list[SweepPoint]] = {}
+    for p in todo:
+        key = fusion_key(p.config)
+        if key is None:
+            tasks.append([p])
+        elif key in by_key:
+            by_key[key].append(p)
+        else:
+            by_key[key] = [p]
+            tasks.append(by_key[key])
+    return tasks
+
+
+def _sweep_log(sweep_dir: Path, text: str, *, warn: bool = False) -> None:
+    """A line in the sweep folder's ``sweep.log`` (and the log)."""
+    (log.warning if warn else log.info)("sweep %s: %s", sweep_dir.name, text)
+    stamp = datetime.now().isoformat(timespec="seconds")
+    with contextlib.suppress(OSError), open(sweep_dir / LOG_FILE, "a") as fh:
+        fh.write(f"{stamp} {text}\n")
+
+
+def _announce(sweep_dir: Path, runs: list[RunStatus], tasks: list[list[SweepPoint]]) -> None:
+    number = 0
+    for task in tasks:
+        if len(task) < 2:
+            continue
+        number += 1
+        for p in task:
+            runs[p.index].fused = number
+        _sweep_log(
+            sweep_dir,
+            f"fused group {number}: {len(task)} runs as one batched program "
+            f"({', '.join(p.dirname for p in task)})",
+        )
+
+
+def _report(sweep_dir: Path, st: RunStatus, out: Mapping[str, Any], reported: set[str]) -> None:
+    note = out.get("note")
+    if note and note not in reported:
+        reported.add(note)
+        _sweep_log(sweep_dir, f"fused group {st.fused}: {note}", warn=True)
+
+
 def _drive(
     plan: SweepPlan,
     todo: list[SweepPoint],
@@ -1009,40 +1165,66 @@ def _drive(
     home: Path | None,
     display: _Display,
     on_update: ProgressFn | None,
+    fuse: bool = True,
 ) -> None:
     if not todo:
         display.refresh(sweep_dir)
         return
     by_index = {p.index: p for p in plan.points}
-    if jobs == 1:
-        _drive_inline(plan, todo, runs, sweep_dir, home, display, on_update)
+    tasks = fusion_groups(todo, fuse)
+    _announce(sweep_dir, runs, tasks)
+    if jobs == 1 or (len(tasks) == 1 and len(tasks[0]) > 1):
+        # one fused group and nothing else: in this process, with the cores as threads
+        _drive_inline(plan, tasks, runs, sweep_dir, home, display, on_update, threads=jobs)
         return
-    workers = min(jobs, len(todo))
+    workers = min(jobs, len(tasks))
+    threads = max(1, jobs // workers)
     pool = ProcessPoolExecutor(
         max_workers=workers, mp_context=_mp_context(), initializer=_init_worker
     )
-    futures: dict[Future[dict[str, Any]], int] = {}
+    futures: dict[Future[Any], list[int]] = {}
+    reported: set[str] = set()
     try:
-        for p in todo:
-            d = p.run_dir(sweep_dir)
-            d.mkdir(parents=True, exist_ok=True)
-            (d / "config.yaml").write_text(p.config.to_yaml())
-            fut = pool.submit(_pool_execute, str(d), p.config.to_yaml(), str(home))
-            futures[fut] = p.index
-            runs[p.index].status = "running"
+        for task in tasks:
+            for p in task:
+                d = p.run_dir(sweep_dir)
+                d.mkdir(parents=True, exist_ok=True)
+                (d / "config.yaml").write_text(p.config.to_yaml())
+                runs[p.index].status = "running"
+            fut: Future[Any]
+            if len(task) == 1:
+                p = task[0]
+                d = p.run_dir(sweep_dir)
+                fut = pool.submit(_pool_execute, str(d), p.config.to_yaml(), str(home))
+            else:
+                fut = pool.submit(
+                    _pool_execute_group,
+                    [str(p.run_dir(sweep_dir)) for p in task],
+                    [p.config.to_yaml() for p in task],
+                    str(home),
+                    threads,
+                )
+            futures[fut] = [p.index for p in task]
         _write_status(sweep_dir, plan, runs, jobs=jobs)
         pending = set(futures)
         while pending:
             done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             for fut in done:
-                st = runs[futures[fut]]
+                members = futures[fut]
                 try:
-                    out = fut.result()
+                    result = fut.result()
+                    outs: list[dict[str, Any]] = result if isinstance(result, list) else [result]
                 except BrokenProcessPool as exc:
-                    out = {"status": "failed", "error": f"worker process died ({exc})"}
+                    outs = [{"status": "failed", "error": f"worker process died ({exc})"}] * len(
+                        members
+                    )
                 except Exception as exc:  # pragma: no cover - execute_point catches its own
-                    out = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
-                _apply(st, out)
+                    outs = [{"status": "failed", "error": f"{type(exc).__name__}: {exc}"}] * len(
+                        members
+                    )
+                for i, out in zip(members, outs):
+                    _report(sweep_dir, runs[i], out, reported)
+                    _apply(runs[i], out)
             if done:
                 _write_status(sweep_dir, plan, runs, jobs=jobs)
             for st in runs:
@@ -1073,6 +1255,9 @@ def _apply(st: RunStatus, out: Mapping[str, Any]) -> None:
     st.resumed_from = out.get("resumed_from")
     st.avg_acc = out.get("avg_acc")
     st.wall_s = out.get("wall_s")
+    if "fused" in out and not out["fused"]:
+        st.fused = None
+    st.note = out.get("note")
     if out.get("rounds") is not None:
         st.rounds = int(out["rounds"])
     if st.status == "failed":
@@ -1081,24 +1266,48 @@ def _apply(st: RunStatus, out: Mapping[str, Any]) -> None:
 
 def _drive_inline(
     plan: SweepPlan,
-    todo: list[SweepPoint],
+    tasks: list[list[SweepPoint]],
     runs: list[RunStatus],
     sweep_dir: Path,
     home: Path | None,
     display: _Display,
     on_update: ProgressFn | None,
+    threads: int = 1,
 ) -> None:
-    """``jobs=1``: run the points one after another in this process (no worker start-up)."""
-    for p in todo:
-        st = runs[p.index]
-        st.status = "running"
-        _write_status(sweep_dir, plan, runs, jobs=1)
+    """Run the tasks one after another in this process (no worker start-up)."""
+    jobs = threads
+    reported: set[str] = set()
+    for task in tasks:
+        for p in task:
+            runs[p.index].status = "running"
+            d = p.run_dir(sweep_dir)
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "config.yaml").write_text(p.config.to_yaml())
+        _write_status(sweep_dir, plan, runs, jobs=jobs)
         display.refresh(sweep_dir)
-        d = p.run_dir(sweep_dir)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "config.yaml").write_text(p.config.to_yaml())
-        _apply(st, execute_point(str(d), p.config.to_yaml(), str(home) if home else None))
-        _write_status(sweep_dir, plan, runs, jobs=1)
+        if len(task) == 1:
+            p = task[0]
+            d = p.run_dir(sweep_dir)
+            outs = [execute_point(str(d), p.config.to_yaml(), str(home) if home else None)]
+        else:
+
+            def on_round(member: int, m: Any, task: list[SweepPoint] = task) -> None:
+                runs[task[member].index].rounds = int(m.round)
+                display.refresh(sweep_dir)
+                if on_update is not None:
+                    on_update(runs, sum(r.rounds for r in runs), display.total_rounds)
+
+            outs = execute_group(
+                [str(p.run_dir(sweep_dir)) for p in task],
+                [p.config.to_yaml() for p in task],
+                str(home) if home else None,
+                threads=threads,
+                on_round=on_round,
+            )
+        for p, out in zip(task, outs):
+            _report(sweep_dir, runs[p.index], out, reported)
+            _apply(runs[p.index], out)
+        _write_status(sweep_dir, plan, runs, jobs=jobs)
         display.refresh(sweep_dir)
         if on_update is not None:
             on_update(runs, sum(r.rounds for r in runs), display.total_rounds)

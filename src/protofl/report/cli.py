@@ -65,6 +65,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     )
 
     plan = load_sweep(args.sweep_file, args.set or (), select=args.select)
+    if args.no_fuse:
+        plan.fuse = False
     sweep_dir = Path(args.out) if args.out else plan.default_dir()
     if args.dry_run:
         from protofl.engine.sweep import run_is_done
@@ -253,6 +255,12 @@ def add_report_parsers(subparsers: Any) -> None:
         help="do not precompute frozen features in the main process",
     )
     sw.add_argument("--no-table", action="store_true", help="do not print the result table")
+    sw.add_argument(
+        "--no-fuse",
+        action="store_true",
+        help="run every point on its own (default: batched points that differ only in seed "
+        "and privacy settings run fused, as one program; sweep file key fuse:)",
+    )
     sw.set_defaults(func=cmd_sweep)
 
     tb = subparsers.add_parser(
