@@ -245,8 +245,8 @@ class FusedTrainer(BatchedTrainer):
     """One batched store and program for the clients of several simulations.
 
     The trainer sees a stand-in for every client (the same model, optimiser, state, generators
-    and DCR objects; a fused id; test sets of equal content made one tensor, so equal test sets
-    of several runs are predicted together).  ``train_runs``, ``features_runs`` and
+    and DCR objects; a fused id; one stand-in test set per domain, which orders the rows), and
+    equal test sets of several runs are predicted together.  ``train_runs``, ``features_runs`` and
     ``evaluate_runs`` take and give per-run lists."""
 
     def __init__(self, sims: Sequence[Simulation], labels: Sequence[str] | None = None) -> None:
@@ -274,15 +274,24 @@ class FusedTrainer(BatchedTrainer):
             return same[id(t)]
 
         self._same = one
+        # a stand-in's test set only orders the store's rows (the trainer groups clients that
+        # share one); evaluation reads each run's own (evaluate_runs).  Clients of one domain
+        # share a stand-in test set in every run, so equal clients of different runs train in
+        # one group even where the runs' test sets differ (data.max_test_per_domain draws a
+        # seeded subsample)
+        by_domain: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         stand_ins: list[Client] = []
         for r, sim in enumerate(self.sims):
             for c in sim.clients:
+                test_z, test_y = by_domain.setdefault(
+                    (c.data.domain, c.data.domain_name), (c.data.test_z, c.data.test_y)
+                )
                 data = replace(
                     c.data,
                     client=len(stand_ins),
                     name=f"{self.labels[r]}/{c.data.name}",
-                    test_z=one(c.data.test_z),
-                    test_y=one(c.data.test_y),
+                    test_z=test_z,
+                    test_y=test_y,
                 )
                 proxy = replace(c, data=data)
                 self._owner[id(c.state)] = (r, c.data.client)
