@@ -77,3 +77,21 @@ def test_privacy_vpdr_means_vpp_plus_dcr() -> None:
     cfg = ExperimentConfig().with_overrides(["privacy.mechanism=vpdr"])
     assert cfg.privacy.base_mechanism == "vpp"
     assert cfg.privacy.use_dcr
+
+
+def test_data_allocation_takes_a_name_or_a_mapping_of_clients_per_domain() -> None:
+    given = ExperimentConfig().with_overrides(["data.allocation={mnist: 3, optdigits: 1}"])
+    assert given.data.allocation == {"mnist": 3, "optdigits": 1}
+    assert ExperimentConfig.from_dict(given.to_dict()).data.allocation == given.data.allocation
+    assert ExperimentConfig().with_overrides(["data.allocation=feddap"]).data.allocation == "feddap"
+
+
+def test_client_state_and_memory_budget_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"run\.client_state"):
+        ExperimentConfig().with_overrides(["run.client_state=ssd"])
+    with pytest.raises(ConfigError, match=r"run\.memory_budget_mb"):
+        ExperimentConfig().with_overrides(["run.memory_budget_mb=0"])
+    ok = ExperimentConfig().with_overrides(
+        ["run.client_state=disk", "federation.execution=batched", "run.memory_budget_mb=64"]
+    )
+    assert ok.run.client_state == "disk" and ok.run.memory_budget_mb == 64

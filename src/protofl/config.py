@@ -81,7 +81,8 @@ class DataConfig:
     partition: str = "domain"
     dirichlet_alpha: float = 0.5
     min_client_size: int = 1
-    allocation: str | None = None
+    # a name (protofl.data.allocation) or a mapping {domain: clients}
+    allocation: str | dict[str, int] | None = None
     preset: str | None = None
     # domain: a domain's clients share train_fraction of it; client: each client draws
     # train_fraction of its domain (FedDAP); None: the data preset's, else domain
@@ -104,7 +105,7 @@ class DataConfig:
                 high_open=True,
             )
         check_range("data.clients_per_domain", self.clients_per_domain, low=1)
-        check_choice("data.partition", self.partition, ("domain", "dirichlet"))
+        check_choice("data.partition", self.partition, ("domain", "dirichlet", "dirichlet_labels"))
         check_range("data.dirichlet_alpha", self.dirichlet_alpha, low=0.0, low_open=True)
         check_range("data.min_client_size", self.min_client_size, low=1)
         if self.fraction_unit is not None:
@@ -236,6 +237,11 @@ class RunConfig:
     device: str = "auto"
     # mixed precision of local training and evaluation: none | bf16 (autocast)
     amp: str = "none"
+    # where clients' trainable state lives: memory | disk (memory-mapped files in the run
+    # folder, paged in for the clients a round touches; needs federation.execution=batched)
+    client_state: str = "memory"
+    # working memory (MB) one group of batched clients may use; None: 256
+    memory_budget_mb: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not re.match(
@@ -245,6 +251,9 @@ class RunConfig:
                 f"run.device={self.device!r}: write auto, cpu, cuda or cuda:N (N a GPU index)"
             )
         check_choice("run.amp", self.amp, ("none", "bf16"))
+        check_choice("run.client_state", self.client_state, ("memory", "disk"))
+        if self.memory_budget_mb is not None:
+            check_range("run.memory_budget_mb", self.memory_budget_mb, low=1)
         if self.threads is not None:
             check_range("run.threads", self.threads, low=1)
         check_range("run.mia_every", self.mia_every, low=0)
@@ -271,6 +280,12 @@ class ExperimentConfig:
         check_range("seed", self.seed, low=0)
         if self.preset is not None:
             check_preset(self.preset, self.data.name)
+        if self.run.client_state == "disk" and self.federation.execution != "batched":
+            raise ConfigError(
+                "run.client_state=disk keeps client state in a memory-mapped store the batched "
+                f"executor trains in place; set federation.execution=batched (it is "
+                f"{self.federation.execution!r})"
+            )
 
     # --- conversion -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -392,6 +407,8 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
+        if isinstance(value, Mapping):  # a name or a mapping (data.allocation)
+            args = [a for a in args if a is dict or typing.get_origin(a) is dict] or args
         return _coerce(args[0], value, key, source)
     if origin is tuple:
         if not isinstance(value, list | tuple):

@@ -6,12 +6,14 @@ import copy
 import io
 import logging
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from protofl.attacks.mia import diagnostics_for
-from protofl.config import ExperimentConfig
+from protofl.config import ConfigError, ExperimentConfig
 from protofl.data.cache import protofl_home
 from protofl.data.partition import PartitionError
 from protofl.engine.batched import BatchedTrainer, FrozenParameterPool
@@ -360,3 +362,110 @@ def test_batched_engine_uses_the_batched_uploads_and_evaluation(
     assert [h.client_acc for h in hs] == [h.client_acc for h in hb]
     assert [h.holdout_acc for h in hs] == pytest.approx([h.holdout_acc for h in hb])
     assert [h.privacy for h in hs] == [h.privacy for h in hb]
+
+
+# --------------------------------------------------------------------------------------------
+# run.client_state=disk: the store in memory-mapped files
+# --------------------------------------------------------------------------------------------
+def _resident_kb() -> int:
+    """This process's resident set (kB), from /proc."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux")
+def test_a_mapped_tensor_keeps_its_values_when_its_pages_leave_the_resident_set(
+    tmp_path: Path,
+) -> None:
+    from protofl.engine.batched import drop_pages, mapped_tensor
+
+    t = mapped_tensor(tmp_path / "rows.f32", (64, 256, 1024))  # 64 rows of 1 MB, sparse
+    assert (tmp_path / "rows.f32").stat().st_size == 64 * 2**20
+    before = _resident_kb()
+    t.copy_(torch.arange(t.numel(), dtype=torch.float32).view(t.shape))
+    touched = _resident_kb()
+    assert touched - before > 48 * 1024  # the written pages are resident
+    drop_pages(t.data_ptr(), t.data_ptr() + t.numel() * 4)
+    assert touched - _resident_kb() > 48 * 1024  # and leave the resident set
+    assert torch.equal(t, torch.arange(t.numel(), dtype=torch.float32).view(t.shape))
+
+
+def _offload_config(state: str, *extra: str) -> ExperimentConfig:
+    return _config(
+        **{
+            "federation.execution": "batched",
+            "federation.participation": "0.5",
+            "privacy.mechanism": "vpdr",  # with DCR: teachers live in the store too
+            "run.client_state": state,
+        },
+        **dict(e.split("=", 1) for e in extra),
+    )
+
+
+def test_offloaded_and_in_memory_runs_give_identical_summaries(tmp_path: Path) -> None:
+    from protofl.engine.runner import STATE_DIR, run_experiment
+
+    runs = {}
+    for state in ("memory", "disk"):
+        cfg = _offload_config(state, "run.save_releases=false")
+        runs[state] = run_experiment(cfg, out=tmp_path / state, data=_data(cfg))
+    drop = ("wall_s", "setup_s", "environment")
+    same = [{k: v for k, v in r.summary.items() if k not in drop} for r in runs.values()]
+    assert same[0] == same[1]
+    assert [m.avg_acc for m in runs["memory"].history] == [m.avg_acc for m in runs["disk"].history]
+    # the mapped store is gone once the run has finished (its last checkpoint holds it)
+    assert not (runs["disk"].run_dir / STATE_DIR).exists()
+
+
+def test_offloaded_clients_point_into_the_mapped_files(tmp_path: Path) -> None:
+    cfg = _offload_config("disk")
+    sim = Simulation(cfg, _data(cfg), state_dir=tmp_path / "state")
+    sim.run(1)
+    store = sim.batched.store
+    assert store.mapped and sorted(p.name for p in (tmp_path / "state").iterdir())
+    for c in sim.clients:
+        r = store.row[c.data.client]
+        assert c.model.head.weight.data_ptr() == store.param["head.weight"][r].data_ptr()
+        assert c.dcr.teacher.weight.data_ptr() == store.teacher["weight"][r].data_ptr()
+
+
+def test_a_memory_budget_below_one_client_is_refused_naming_the_setting() -> None:
+    cfg = _offload_config("disk", "run.memory_budget_mb=1", "backbone.adapter_hidden=4096")
+    with pytest.raises(ValueError, match=r"run\.memory_budget_mb=1 .* needs \d+ MB"):
+        Simulation(cfg, _data(cfg))
+
+
+def test_disk_client_state_needs_the_batched_executor() -> None:
+    with pytest.raises(ConfigError, match=r"run\.client_state=disk .* federation\.execution"):
+        _config(**{"run.client_state": "disk"})
+    cfg = _offload_config("disk", "method.name=fpl")
+    with pytest.raises(ValueError, match=r"run\.client_state=disk needs a run the batched"):
+        Simulation(cfg, _data(cfg))
+
+
+def test_an_offloaded_run_stopped_mid_way_resumes_to_the_same_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from protofl.engine import simulation
+    from protofl.engine.runner import resume_experiment, run_experiment
+
+    cfg = _offload_config("disk", "run.save_releases=false")
+    full = run_experiment(cfg, out=tmp_path / "full", data=_data(cfg))
+    original = simulation.Simulation.run_round
+
+    def interrupted(self: simulation.Simulation) -> simulation.RoundMetrics:
+        if self.round == 2:
+            raise KeyboardInterrupt
+        return original(self)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(simulation.Simulation, "run_round", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            run_experiment(cfg, out=tmp_path / "stopped", data=_data(cfg))
+    run_dir = next((tmp_path / "stopped").iterdir())
+    resumed = resume_experiment(run_dir)
+    assert [m.avg_acc for m in resumed.history] == [m.avg_acc for m in full.history]
+    assert resumed.summary["privacy"] == full.summary["privacy"]

@@ -90,8 +90,13 @@ def test_resume_after_stop_gives_identical_summary(
     assert [json.loads(x)["round"] for x in lines] == [1, 2, 3, 4]
 
 
-def test_sigkill_then_resume_is_identical(tmp_path: Path) -> None:
-    cfg = toy(40, "privacy.mechanism=igpp", "privacy.epsilon=4", "method.params.lam=0.5")
+@pytest.mark.parametrize(
+    "state",
+    [(), ("federation.execution=batched", "run.client_state=disk")],
+    ids=["in-memory", "offloaded"],
+)
+def test_sigkill_then_resume_is_identical(tmp_path: Path, state: tuple[str, ...]) -> None:
+    cfg = toy(40, "privacy.mechanism=igpp", "privacy.epsilon=4", "method.params.lam=0.5", *state)
     reference = run_experiment(cfg, out=tmp_path / "ref")
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(cfg.to_yaml())

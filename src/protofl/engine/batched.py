@@ -49,9 +49,11 @@ import ctypes
 import ctypes.util
 import logging
 import math
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,6 +65,7 @@ from protofl.models.client import ClientModel, ResidualAdapter
 from protofl.privacy.dcr import distillation, ema_, soft_clip
 
 if TYPE_CHECKING:
+    from protofl.engine.federated_data import ClientData
     from protofl.engine.simulation import Client, Simulation
 
 log = logging.getLogger(__name__)
@@ -281,24 +284,39 @@ class _Store:
         names: list[str],
         shapes: dict[str, tuple[int, ...]],
         teacher_shapes: dict[str, tuple[int, ...]],
-        order: list[Client],
+        order: Sequence[int],
         device: torch.device | None = None,
+        directory: Path | None = None,
     ) -> None:
         m = len(order)
         dev = device or torch.device("cpu")
         self.names = names
         self.paths = [tuple(n.split(".")) for n in names]
         self.teacher_paths = [tuple(n.split(".")) for n in teacher_shapes]
-        self.row = {c.data.client: r for r, c in enumerate(order)}
+        self.row = {client: r for r, client in enumerate(order)}
+        # run.client_state=disk: every tensor is a file in ``directory`` mapped shared (see
+        # :func:`mapped_tensor`); :meth:`page_out` drops rows from the resident set
+        self.directory = directory
+        if directory is not None and dev.type != "cpu":
+            raise ValueError(
+                f"run.client_state=disk maps client state into CPU memory, but the run computes "
+                f"on {dev}; set run.device=cpu (or run.client_state=memory)"
+            )
+
+        def new(kind: str, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            if directory is None:
+                return torch.empty(m, *shape, device=dev)
+            return mapped_tensor(directory / f"{kind}.{name}.f32", (m, *shape))
+
         # uninitialised: every row is written when its client is adopted, so memory becomes
         # resident client by client (the moments only once the client first trains)
         # on run.device, with the clients' models (AdamW's step counts too: the fused kernel
         # reads them there)
-        self.param = {n: torch.empty(m, *shapes[n], device=dev) for n in names}
-        self.exp_avg = {n: torch.empty(m, *shapes[n], device=dev) for n in names}
-        self.exp_avg_sq = {n: torch.empty(m, *shapes[n], device=dev) for n in names}
-        self.step = {n: torch.zeros(m, device=dev) for n in names}
-        self.teacher = {n: torch.empty(m, *s, device=dev) for n, s in teacher_shapes.items()}
+        self.param = {n: new("param", n, shapes[n]) for n in names}
+        self.exp_avg = {n: new("exp_avg", n, shapes[n]) for n in names}
+        self.exp_avg_sq = {n: new("exp_avg_sq", n, shapes[n]) for n in names}
+        self.step = {n: new("step", n, ()).zero_() for n in names}
+        self.teacher = {n: new("teacher", n, s) for n, s in teacher_shapes.items()}
 
         # (first byte, bytes per row) of every store tensor: row pointers without views
         self._layout: dict[int, tuple[int, int]] = {}
@@ -309,6 +327,33 @@ class _Store:
     def _ptr(self, store: torch.Tensor, r: int) -> int:
         base, row = self._layout[id(store)]
         return base + r * row
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the store lives in memory-mapped files (``run.client_state=disk``)."""
+        return self.directory is not None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every store tensor."""
+        return [
+            t
+            for group in (self.param, self.exp_avg, self.exp_avg_sq, self.step, self.teacher)
+            for t in group.values()
+        ]
+
+    def page_out(self, rows: Sequence[int] | None = None) -> None:
+        """Drop ``rows`` (default: all) of a mapped store from this process's resident set.
+
+        The pages stay in the files (the kernel writes dirty ones back and re-reads them on
+        the next access), so nothing changes but resident memory; a no-op in memory.
+        """
+        if self.directory is None:
+            return
+        spans = _spans(sorted(rows)) if rows is not None else [(0, len(self.row))]
+        for t in self.tensors():
+            base, row = self._layout[id(t)]
+            for a, b in spans:
+                drop_pages(base + a * row, base + b * row)
 
     @staticmethod
     def _get(module: nn.Module, path: tuple[str, ...]) -> Any:
@@ -370,9 +415,65 @@ class _Store:
 
     def adopt_all(self, clients: Sequence[Client], *, optimizer: bool = True) -> None:
         """:meth:`adopt` every client; give the freed memory back when much was moved."""
-        moved = sum(self.adopt(c, optimizer=optimizer) for c in clients)
+        moved = 0
+        for c in clients:
+            moved += self.adopt(c, optimizer=optimizer)
+            if self.directory is not None:  # what adopting wrote leaves the resident set
+                self.page_out([self.row[c.data.client]])
         if moved >= FrozenParameterPool.TRIM_EVERY:
             release_free_memory()
+
+
+def mapped_tensor(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
+    """A float32 tensor of ``shape`` held in the file ``path`` (created sparse, zero-filled),
+    mapped shared: writes go to the file's pages, which the kernel may write back and evict;
+    :func:`drop_pages` takes pages out of the process's resident set."""
+    n = math.prod(shape)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as fh:
+        fh.truncate(4 * n)
+    return torch.from_file(str(path), shared=True, size=n, dtype=torch.float32).view(shape)
+
+
+_MADV_DONTNEED = 4
+_PAGE = 4096
+_MADVISE: Any = None
+
+
+def drop_pages(start: int, stop: int) -> None:
+    """``madvise(MADV_DONTNEED)`` on the whole pages in ``[start, stop)`` of a shared file
+    mapping: they leave the resident set and are re-read from the page cache or the file on
+    the next access (for a shared mapping no data is lost).  A no-op off Linux."""
+    global _MADVISE, _PAGE
+    if _MADVISE is None:
+        _MADVISE = False
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+                fn = libc.madvise
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                fn.restype = ctypes.c_int
+                _MADVISE = fn
+                _PAGE = int(os.sysconf("SC_PAGE_SIZE"))
+            except (OSError, AttributeError, ValueError):  # pragma: no cover - not glibc
+                _MADVISE = False
+    if not _MADVISE:
+        return
+    a = -(-start // _PAGE) * _PAGE
+    b = (stop // _PAGE) * _PAGE
+    if b > a:
+        _MADVISE(a, b - a, _MADV_DONTNEED)
+
+
+def _spans(rows: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted row indices as ``[a, b)`` runs."""
+    out: list[tuple[int, int]] = []
+    for r in rows:
+        if out and out[-1][1] == r:
+            out[-1] = (out[-1][0], r + 1)
+        else:
+            out.append((r, r + 1))
+    return out
 
 
 @dataclass
@@ -414,6 +515,7 @@ class BatchedTrainer:
         *,
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
         optimizer: str = "fused",
+        state_dir: Path | None = None,
     ) -> None:
         if optimizer not in ("fused", "reference"):
             raise ValueError(f"optimizer={optimizer!r}; choose fused or reference")
@@ -421,6 +523,8 @@ class BatchedTrainer:
         # run.device (Simulation.device): the stacked storage, the batches and the products
         self.device: torch.device = getattr(sim, "device", torch.device("cpu"))
         self.memory_budget = memory_budget
+        # run.client_state=disk: the stacked storage lives in memory-mapped files here
+        self.state_dir = state_dir
         # torch's fused AdamW kernel (one pass over memory); "reference" runs the op sequence of
         # torch's default single-tensor AdamW (bitwise the sequential mode's update, slower)
         self.optimizer = optimizer if hasattr(torch, "_fused_adamw_") else "reference"
@@ -449,22 +553,41 @@ class BatchedTrainer:
         self.train_proj = bool(first.proj.weight.requires_grad)
         self.names = [n for n, p in first.named_parameters() if p.requires_grad]
         self.shapes = {n: tuple(p.shape) for n, p in first.named_parameters()}
-        self.shared_proj: tuple[torch.Tensor, torch.Tensor] | None = None
-        if not self.train_proj:
-            w, b = first.proj.weight, first.proj.bias
-            if all(
-                (c.model.proj.weight is w or torch.equal(c.model.proj.weight, w))
-                and (c.model.proj.bias is b or torch.equal(c.model.proj.bias, b))
-                for c in sim.clients
-            ):
-                # one frozen projection for all clients (Simulation pooled them as it built them)
-                self.shared_proj = (w.detach(), b.detach())
+        self.shared_proj = self.shared_projection(sim.clients)
         dcr = sim.clients[0].dcr
         self.teacher_shapes = (
             {n: tuple(p.shape) for n, p in dcr.teacher.named_parameters()} if dcr else {}
         )
         self.anchor = torch.zeros((), requires_grad=True, device=self.device)
         self._y0: dict[int, tuple[torch.Tensor, tuple[int, ...], torch.Tensor]] = {}
+
+    def shared_projection(
+        self, clients: Sequence[Client]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The frozen projection every client holds (Simulation pooled them as it built
+        them), or None when it trains or differs between clients."""
+        if self.train_proj:
+            return None
+        first = clients[0].model
+        w, b = first.proj.weight, first.proj.bias
+        if all(
+            (c.model.proj.weight is w or torch.equal(c.model.proj.weight, w))
+            and (c.model.proj.bias is b or torch.equal(c.model.proj.bias, b))
+            for c in clients
+        ):
+            return (w.detach(), b.detach())
+        return None
+
+    def check_budget(self, clients: Sequence[Client]) -> None:
+        """Refuse a ``run.memory_budget_mb`` that cannot hold one client's working memory."""
+        need = max(self._bytes_per_client(c) for c in clients)
+        if need > self.memory_budget:
+            worst = max(clients, key=self._bytes_per_client)
+            raise ValueError(
+                f"run.memory_budget_mb={self.memory_budget / 2**20:g} cannot hold one group of "
+                f"batched clients: client {worst.data.name!r} alone needs "
+                f"{math.ceil(need / 2**20)} MB (raise run.memory_budget_mb to at least that)"
+            )
 
     # ----- checks ---------------------------------------------------------------------------
     def _check_clients(self, clients: Sequence[Client]) -> str | None:
@@ -501,12 +624,14 @@ class BatchedTrainer:
         fed = self.sim.config.federation
         return fed.local_epochs * math.ceil(c.data.num_train / fed.batch_size)
 
-    def _sort_key(self, c: Client) -> tuple[int, int, int, int]:
+    def _sort_key(self, d: ClientData) -> tuple[int, int, int, int]:
         """Store row order: clients sharing a test set together (batched evaluation takes
         contiguous rows), then by steps and last-batch size, longest first."""
-        bs = self.sim.config.federation.batch_size
-        last = c.data.num_train - (math.ceil(c.data.num_train / bs) - 1) * bs
-        return (self._test_rank[id(c.data.test_z)], -self._steps(c), -last, c.data.client)
+        fed = self.sim.config.federation
+        bs = fed.batch_size
+        last = d.num_train - (math.ceil(d.num_train / bs) - 1) * bs
+        steps = fed.local_epochs * math.ceil(d.num_train / bs)
+        return (self._test_rank[id(d.test_z)], -steps, -last, d.client)
 
     def _bytes_per_client(self, c: Client) -> int:
         fed = self.sim.config.federation
@@ -519,12 +644,16 @@ class BatchedTrainer:
         return 4 * (params + acts)
 
     def _ensure_store(self) -> _Store:
+        # ordered by the clients' data, so it can be made while the simulation is still
+        # building its clients (run.client_state=disk adopts each one as it is built)
         if self.store is None:
             self._test_rank: dict[int, int] = {}
-            for c in self.sim.clients:
-                self._test_rank.setdefault(id(c.data.test_z), len(self._test_rank))
-            order = sorted(self.sim.clients, key=self._sort_key)
-            self.store = _Store(self.names, self.shapes, self.teacher_shapes, order, self.device)
+            for d in self.sim.data.clients:
+                self._test_rank.setdefault(id(d.test_z), len(self._test_rank))
+            order = [d.client for d in sorted(self.sim.data.clients, key=self._sort_key)]
+            self.store = _Store(
+                self.names, self.shapes, self.teacher_shapes, order, self.device, self.state_dir
+            )
         return self.store
 
     def groups(self, clients: Sequence[Client]) -> list[_Group]:
@@ -575,6 +704,7 @@ class BatchedTrainer:
         for group in self.groups(clients):
             for pos, loss in zip(group.positions, self._train_group(group)):
                 losses[pos] = loss
+            store.page_out(group.rows.tolist())
         for c in clients:
             sim.method.end_local(c.model, c.state, sim.global_state, c.data.client)
         return losses
@@ -901,6 +1031,7 @@ class BatchedTrainer:
             f = self._plain_features(w, z)
             for i, j in enumerate(order[start:stop]):
                 out[j] = f[i, : clients[j].data.num_train].clone()
+            store.page_out([store.row[c.data.client] for c in part])
             start = stop
         return out
 
@@ -943,7 +1074,8 @@ class BatchedTrainer:
         preds = []
         for a in range(0, len(clients), per):
             part = clients[a : a + per]
-            w = self._rows(store.param, [store.row[c.data.client] for c in part])
+            part_rows = [store.row[c.data.client] for c in part]
+            w = self._rows(store.param, part_rows)
             if self.shared_proj is not None:
                 y0 = self._proj_cache(z_key)
                 wd = w["adapter.down.weight"]  # [k, H, D]
@@ -975,6 +1107,7 @@ class BatchedTrainer:
                 f = self._plain_features(w, zz)
                 out = self._predict_from_features(w, f, proto_eval)
             preds.append(out)
+            store.page_out(part_rows)
         pred = torch.cat(preds)
         back = torch.empty_like(rank)
         back[rank] = torch.arange(len(rank))

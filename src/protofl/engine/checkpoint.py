@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,26 +25,44 @@ class CheckpointError(RuntimeError):
 
 
 def save_checkpoint(run_dir: Path, round_index: int, state: dict[str, Any]) -> Path:
-    """Write ``checkpoint-<round>.pt`` (temp file, fsync, rename), then update the index."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    data = buf.getvalue()
+    """Write ``checkpoint-<round>.pt`` (temp file, fsync, rename), then update the index.
+
+    The state is streamed to the file, never assembled in memory (with
+    ``run.client_state=disk`` the clients' tensors are read from their mapped store as they
+    are written), and hashed by reading the file back in chunks."""
     path = run_dir / f"checkpoint-{round_index:04d}.pt"
-    atomic_write_bytes(path, data)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        digest, size = _sha256(Path(tmp))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
     index = _read_index(run_dir)
-    index.append(
-        {
-            "round": round_index,
-            "file": path.name,
-            "sha256": hashlib.sha256(data).hexdigest(),
-            "bytes": len(data),
-        }
-    )
+    index.append({"round": round_index, "file": path.name, "sha256": digest, "bytes": size})
     for old in index[:-KEEP]:
         (run_dir / old["file"]).unlink(missing_ok=True)
     index = index[-KEEP:]
     atomic_write_bytes(run_dir / INDEX, json.dumps(index, indent=1).encode())
     return path
+
+
+def _sha256(path: Path, chunk: int = 8 * 2**20) -> tuple[str, int]:
+    """sha256 hex digest and size of a file, read in chunks."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+            size += len(block)
+    return h.hexdigest(), size
 
 
 def _read_index(run_dir: Path) -> list[dict[str, Any]]:
@@ -69,12 +88,12 @@ def load_latest_checkpoint(run_dir: Path) -> dict[str, Any] | None:
         if not path.exists():
             problems.append(f"{path}: missing")
             continue
-        data = path.read_bytes()
-        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        if _sha256(path)[0] != entry["sha256"]:
             problems.append(f"{path}: fails its sha256 integrity check")
             log.error("checkpoint %s fails its integrity check; trying the previous one", path)
             continue
-        state: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
+        # mapped, not read into memory: loading copies each tensor where it belongs
+        state: dict[str, Any] = torch.load(path, weights_only=True, mmap=True)
         if problems:
             log.warning("resuming from %s after refusing: %s", path, "; ".join(problems))
         return state

@@ -40,11 +40,14 @@ RESULT_FREE_KEYS = (
     "run.tensorboard",
     "run.save_releases",
     "run.headline",
+    "run.client_state",
+    "run.memory_budget_mb",
     "federation.checkpoint",
     "federation.checkpoint_every",
 )
 """Keys a resume may change: where files go, progress display, threads, checkpoint cadence,
-which accuracy is the headline."""
+which accuracy is the headline, where client state lives and the batched working memory (the
+results are the same either way)."""
 
 
 class LockError(RuntimeError):

@@ -8,9 +8,13 @@ strategy); this module holds the clients and runs their side, one after another 
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -75,6 +79,7 @@ class Simulation:
         *,
         deployment: bool = False,
         upload_hooks: Sequence[UploadHook] = (),
+        state_dir: Path | None = None,
     ) -> None:
         self.config = config
         # called with (simulation, client, released features, release as sent) after each
@@ -118,6 +123,15 @@ class Simulation:
         from protofl.engine.batched import FrozenParameterPool
 
         self.frozen_pool = FrozenParameterPool()
+        self.batched: Any = None
+        # run.client_state=disk: the batched store lives in memory-mapped files (state_dir, or
+        # a temporary folder removed with the simulation) and each client is adopted into it as
+        # it is built, so resident memory never holds the population's parameters at once
+        self.state_dir: Path | None = None
+        if config.run.client_state == "disk":
+            self.state_dir = state_dir or Path(tempfile.mkdtemp(prefix="protofl-client-state-"))
+            if state_dir is None:
+                weakref.finalize(self, shutil.rmtree, str(self.state_dir), True)
         for cd in data.clients:
             model: ClientModel = backbone_cls.client_model(  # type: ignore[assignment]
                 data.feature_dim,
@@ -148,6 +162,10 @@ class Simulation:
                     dcr=dcr,
                 )
             )
+            if self.state_dir is not None:
+                self._offload(self.clients[-1])
+        if self.state_dir is not None:
+            self._check_offload()
         unknown = set(config.federation.poison) - {c.data.name for c in self.clients}
         if unknown:
             raise ValueError(
@@ -169,7 +187,6 @@ class Simulation:
         self.last_feature_norms: dict[str, dict[str, float]] = {}
         self.last_mia: dict[str, dict[str, float]] = {}
         self.history: list[RoundMetrics] = []
-        self.batched: Any = None
         self.server_gen = generator(config.seed, Stream.SERVER)
         # local-only diagnostics (computed on private data) are kept; a deployed client sends none
         self.diagnostics = True
@@ -178,6 +195,41 @@ class Simulation:
         self.public_counts: dict[int, int] = {}
         # federation.eval_samples: each test set's fixed subsample (by the set's identity)
         self._eval_sets: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # ----- run.client_state=disk ---------------------------------------------------------------
+    def _offload(self, c: Client) -> None:
+        """Move ``c``'s trainable parameters (and DCR teacher) into the mapped store now."""
+        from protofl.engine.batched import BatchedTrainer
+
+        if self.batched is None:
+            self.batched = BatchedTrainer(
+                self, memory_budget=self.memory_budget(), state_dir=self.state_dir
+            )
+            if not self.batched.supported:
+                raise ValueError(
+                    f"run.client_state=disk needs a run the batched executor can train: "
+                    f"{self.batched.reason}"
+                )
+        self.batched._ensure_store().adopt_all([c], optimizer=False)
+
+    def _check_offload(self) -> None:
+        """After the last client is built: the whole population can batch, and one client's
+        working memory fits ``run.memory_budget_mb``."""
+        trainer = self.batched
+        problem = trainer._check_clients(self.clients)
+        if problem is not None:
+            raise ValueError(
+                f"run.client_state=disk needs a run the batched executor can train: {problem}"
+            )
+        trainer.shared_proj = trainer.shared_projection(self.clients)
+        trainer.check_budget(self.clients)
+
+    def memory_budget(self) -> int:
+        """Bytes one group of batched clients may use (``run.memory_budget_mb``)."""
+        from protofl.engine.batched import DEFAULT_MEMORY_BUDGET
+
+        mb = self.config.run.memory_budget_mb
+        return DEFAULT_MEMORY_BUDGET if mb is None else mb * 2**20
 
     # ----- what the server may know about a client's size --------------------------------------
     @property
@@ -206,7 +258,9 @@ class Simulation:
         if self.batched is None:
             from protofl.engine.batched import BatchedTrainer
 
-            self.batched = BatchedTrainer(self)
+            self.batched = BatchedTrainer(self, memory_budget=self.memory_budget())
+            if self.batched.supported and self.config.run.memory_budget_mb is not None:
+                self.batched.check_budget(self.clients)
         return self.batched if self.batched.supported else None
 
     def collect_uploads(self, active: Sequence[bool] | None = None) -> list[Upload]:
@@ -492,7 +546,14 @@ class Simulation:
         )
         self.round += 1
         self.history.append(metrics)
+        self.page_out()
         return metrics
+
+    def page_out(self) -> None:
+        """With ``run.client_state=disk``: drop every client's state from the resident set (it
+        stays in the mapped files); a no-op otherwise."""
+        if self.state_dir is not None and self.batched is not None:
+            self.batched._ensure_store().page_out()
 
     def missing_classes(self, accepted: list[Upload]) -> list[int]:
         """Classes no accepted upload carries this round (reported, never invented)."""
@@ -616,6 +677,7 @@ class Simulation:
             c.noise_gen.set_state(cs["noise_gen"])
             if c.dcr is not None:
                 c.dcr.load_state_dict(cs["dcr"])
+        self.page_out()
 
 
 def data_on_device(data: FederatedData, device: torch.device) -> FederatedData:
