@@ -5,6 +5,7 @@ import pytest
 
 from protofl.data.partition import (
     PartitionError,
+    dirichlet_label_split,
     dirichlet_split,
     equal_shards,
     subsample,
@@ -47,6 +48,35 @@ def test_dirichlet_split_respects_minimum_and_fails_with_numbers() -> None:
         dirichlet_split(idx, labels, 8, 0.01, np.random.default_rng(0), min_size=60, max_tries=5)
     with pytest.raises(PartitionError, match="cannot give 20 clients"):
         dirichlet_split(idx[:10], labels[:10], 20, 1.0, np.random.default_rng(0))
+
+
+def test_per_class_dirichlet_leaves_clients_empty_at_cross_device_scale() -> None:
+    labels = np.repeat(np.arange(10), 2000)  # 20,000 samples, 4,000 clients: 5 each on average
+    with pytest.raises(PartitionError, match="only 0 samples"):
+        dirichlet_split(np.arange(20_000), labels, 4000, 0.5, np.random.default_rng(0), max_tries=3)
+
+
+def test_client_wise_dirichlet_gives_every_client_an_equal_skewed_share() -> None:
+    labels = np.repeat(np.arange(10), 2000)
+    idx = np.arange(20_000)
+    shards = dirichlet_label_split(idx, labels, 4000, 0.5, np.random.default_rng(0))
+    assert sorted(np.concatenate(shards).tolist()) == idx.tolist()  # a partition
+    assert {len(s) for s in shards} == {5}
+    again = dirichlet_label_split(idx, labels, 4000, 0.5, np.random.default_rng(0))
+    assert all(np.array_equal(a, b) for a, b in zip(shards, again))
+
+    def classes_per_client(parts: list[np.ndarray]) -> float:
+        return float(np.mean([len(np.unique(labels[p])) for p in parts]))
+
+    # label skew: fewer distinct classes per client than an iid split of the same sizes, and
+    # the more so the smaller alpha
+    iid = equal_shards(idx, 400, np.random.default_rng(0))
+    skewed = dirichlet_label_split(idx, labels, 400, 0.5, np.random.default_rng(0))
+    flat = dirichlet_label_split(idx, labels, 400, 100.0, np.random.default_rng(0))
+    assert classes_per_client(skewed) < classes_per_client(flat) - 2
+    assert abs(classes_per_client(flat) - classes_per_client(iid)) < 0.5
+    with pytest.raises(PartitionError, match="cannot give 20 clients"):
+        dirichlet_label_split(idx[:10], labels[:10], 20, 1.0, np.random.default_rng(0))
 
 
 def test_validation_split_is_stratified_and_keeps_a_training_sample() -> None:

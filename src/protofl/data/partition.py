@@ -111,3 +111,54 @@ def dirichlet_split(
         f"gave a client only {smallest} samples after {max_tries} tries (minimum {min_size}); "
         "raise alpha, lower data.min_client_size or use fewer clients"
     )
+
+
+def dirichlet_label_split(
+    indices: np.ndarray,
+    labels: np.ndarray,
+    num_clients: int,
+    alpha: float,
+    rng: np.random.Generator,
+    *,
+    min_size: int = 1,
+) -> list[np.ndarray]:
+    """Client-wise Dirichlet label skew at any scale (``data.partition: dirichlet_labels``).
+
+    Every client gets an equal share of the samples (sizes differ by at most one) and draws its
+    own label distribution ``q ~ Dirichlet(alpha)`` over the classes; its share is drawn class by
+    class from ``Multinomial(size, q)`` without replacement, and a class that has run out is
+    replaced by the client's next most likely class that has samples left.  Unlike
+    :func:`dirichlet_split` (per-class proportions over clients, which leaves clients empty when
+    there are thousands of them and a few samples each), no client is ever empty, so it serves
+    cross-device federations of 10^4 clients.
+    """
+    if alpha <= 0:
+        raise PartitionError(f"dirichlet alpha={alpha} must be > 0")
+    if len(indices) < num_clients * min_size:
+        raise PartitionError(
+            f"{len(indices)} samples cannot give {num_clients} clients at least {min_size} each"
+        )
+    classes = np.unique(labels)
+    pools = [list(rng.permutation(indices[labels == c])) for c in classes]
+    left = np.array([len(p) for p in pools])
+    sizes = [len(a) for a in np.array_split(np.arange(len(indices)), num_clients)]
+    shards = []
+    for size in sizes:
+        q = rng.dirichlet(np.full(len(classes), alpha))
+        want = rng.multinomial(size, q)
+        take = np.minimum(want, left)
+        short = int(size - take.sum())
+        for c in np.argsort(-q, kind="stable"):  # refill from the client's likeliest classes
+            if short == 0:
+                break
+            extra = min(short, int(left[c] - take[c]))
+            take[c] += extra
+            short -= extra
+        chunk = []
+        for c in np.flatnonzero(take):
+            n = int(take[c])
+            chunk.extend(pools[c][len(pools[c]) - n :])
+            del pools[c][len(pools[c]) - n :]
+        left -= take
+        shards.append(np.sort(np.asarray(chunk, dtype=indices.dtype)))
+    return shards

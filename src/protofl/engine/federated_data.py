@@ -19,6 +19,7 @@ from protofl.data.base import MultiDomainDataset
 from protofl.data.features import cached_features
 from protofl.data.partition import (
     PartitionError,
+    dirichlet_label_split,
     dirichlet_split,
     equal_shards,
     subsample,
@@ -258,8 +259,9 @@ def build_federated_data(
             shards = [np.array([position[int(v)] for v in d], dtype=np.int64) for d in drawn]
         elif k == 1:
             shards = [local]
-        elif dcfg.partition == "dirichlet":
-            shards = dirichlet_split(
+        elif dcfg.partition in ("dirichlet", "dirichlet_labels"):
+            split = dirichlet_split if dcfg.partition == "dirichlet" else dirichlet_label_split
+            shards = split(
                 local, train_y_all, k, dcfg.dirichlet_alpha, rng, min_size=dcfg.min_client_size
             )
         else:
