@@ -242,3 +242,53 @@ def test_a_fused_group_trains_clients_of_several_runs_together(tmp_path: Path) -
     assert trainer.supported
     groups = trainer.groups(trainer.sim.clients)
     assert any(len({trainer.run_of_state(c.state) for c in g.clients}) == 2 for g in groups)
+
+
+def test_a_failing_fused_program_leaves_its_runs_to_finish_one_by_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan = _plan({"seed": [0, 1]}, _base(rounds=3))
+    real = fused.fused_round
+    calls = {"n": 0}
+
+    def fails_in_round_two(trainer: Any, runs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise FloatingPointError("local loss is nan")
+        return real(trainer, runs)
+
+    monkeypatch.setattr(fused, "fused_round", fails_in_round_two)
+    result = run_sweep(plan, sweep_dir=tmp_path / "s", jobs=1, progress=False)
+    assert [(r.status, r.action, r.resumed_from) for r in result.runs] == [
+        ("done", "resumed", 1),
+        ("done", "resumed", 1),
+    ]
+    note = "the fused program stopped (FloatingPointError: local loss is nan)"
+    assert all(r.note is not None and r.note.startswith(note) for r in result.runs)
+    assert note in (tmp_path / "s" / LOG_FILE).read_text()
+
+
+def test_a_run_started_unfused_resumes_fused(tmp_path: Path) -> None:
+    plan = _plan({"seed": [0, 1]}, _base(rounds=3))
+    whole = tmp_path / "whole"
+    run_sweep(plan, sweep_dir=whole, jobs=1, progress=False, fuse=False)
+    mixed = tmp_path / "mixed"
+    first = plan.points[0]
+    run_sweep(
+        plan_sweep({"name": "f", "base": _base(rounds=3), "grid": {"seed": [0]}}),
+        sweep_dir=mixed,
+        jobs=1,
+        progress=False,
+        fuse=False,
+    )
+    d = first.run_dir(mixed)
+    (d / "summary.json").unlink()
+    (d / "checkpoint-0003.pt").unlink()  # as if killed after round 2 (the last two are kept)
+    index = json.loads((d / "checkpoints.json").read_text())
+    (d / "checkpoints.json").write_text(json.dumps([e for e in index if e["round"] == 2]))
+    result = run_sweep(plan, sweep_dir=mixed, jobs=1, progress=False)
+    assert [(r.action, r.resumed_from, r.fused) for r in result.runs] == [
+        ("resumed", 2, 1),
+        ("ran", None, 1),
+    ]
+    _assert_same_runs(whole, mixed, [p.dirname for p in plan.points])
