@@ -252,6 +252,8 @@ class FusedTrainer(BatchedTrainer):
     def __init__(self, sims: Sequence[Simulation], labels: Sequence[str] | None = None) -> None:
         self.sims = list(sims)
         self.labels = list(labels) if labels is not None else [str(i) for i in range(len(sims))]
+        # each run's folder, whose run.log receives the lines of its server step (run_fused)
+        self.run_dirs: list[Path | None] = [None] * len(self.sims)
         self._owner: dict[int, tuple[int, int]] = {}
         self._stand_in: dict[tuple[int, int], Client] = {}
         canonical: list[torch.Tensor] = []
@@ -498,7 +500,7 @@ def fused_round(trainer: FusedTrainer, runs: Sequence[int]) -> dict[int, RoundMe
     uploads: dict[int, Any] = {}
     for r in runs:
         sim = sims[r]
-        with log_scope(_scope(sim)):
+        with log_scope(trainer.run_dirs[r]):
             if r in feature_runs:
                 uploads[r] = sim.upload(
                     active[r],
@@ -512,7 +514,7 @@ def fused_round(trainer: FusedTrainer, runs: Sequence[int]) -> dict[int, RoundMe
     missing: dict[int, list[int]] = {}
     for r in runs:
         sim = sims[r]
-        with log_scope(_scope(sim)):
+        with log_scope(trainer.run_dirs[r]):
             accepted, rejected[r] = sim.validate(uploads[r])
             sim.global_state = to_device(sim.method.aggregate(accepted, sim.round), sim.device)
             missing[r] = sim.missing_classes(accepted)
@@ -549,13 +551,6 @@ def fused_round(trainer: FusedTrainer, runs: Sequence[int]) -> dict[int, RoundMe
         sim.history.append(metrics)
         out[r] = metrics
     return out
-
-
-_SCOPES: dict[int, Path] = {}
-
-
-def _scope(sim: Simulation) -> Path | None:
-    return _SCOPES.get(id(sim))
 
 
 # --------------------------------------------------------------------------------------------
@@ -628,7 +623,7 @@ def run_fused(
             raise FusionUnavailable(problem or "not supported")
         for r, (s, sim) in enumerate(zip(sessions, sims)):
             sim.batched = _RunTrainer(trainer, r)
-            _SCOPES[id(sim)] = s.run_dir
+            trainer.run_dirs[r] = s.run_dir
             with log_scope(s.run_dir):
                 log.info(
                     "fused with %d other run(s) of the sweep: %s",
@@ -658,6 +653,4 @@ def run_fused(
     finally:
         torch.set_num_threads(threads_before)
         for s in sessions:
-            if s.sim is not None:
-                _SCOPES.pop(id(s.sim), None)
             s.close()
