@@ -17,8 +17,15 @@ the engine trains.  Sections:
   (overhead over IGPP from the best rounds, the median of paired ratios, and the extra time of
   the phases that differ);
 * ``cache``: one round with cached features versus re-encoding every batch (bench_skeleton);
-* ``m1000``: 1000 clients x 20 rounds of FedProto + VPDR on a Dirichlet split of digits4
-  (``bench_m1000.py``, in its own process for its peak RSS), with a profile of one round.
+* ``roofline`` / ``roofline_m1000_frozen_proj``: the floor of one round of batched training
+  (arithmetic at the measured bmm rate + AdamW traffic) at M = 100 and 1000, and the batched
+  trainer's time over it (``batched_over_floor_*``);
+* ``m1000``: 1000 clients x 20 rounds of FedProto + VPDR on a Dirichlet split of digits4 at
+  64 px (``bench_m1000.py``, in its own process for its peak RSS), with a profile of one round;
+  ``m1000_disk`` the same with ``run.client_state=disk`` (``offload_round_cost_m1000``: its
+  rounds' time over the in-memory run's);
+* ``m10000``: 10,000 clients, 10% participation, 20 rounds, client state on disk
+  (``bench_m1000.py --scale m10000``): wall time, peak RSS, the store's size on disk, accuracy.
 
 Usage: python benchmarks/bench_suite.py [--out benchmarks/results.json] [--quick]
 """
@@ -34,7 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -330,19 +337,27 @@ def cache(per_domain: int) -> dict[str, float]:
     return {"round_cached_s": cached, "round_uncached_s": uncached, "speedup": uncached / cached}
 
 
-def roofline(m: int = 100) -> dict[str, Any]:
-    """What bounds one round of batched training at M = ``m`` (default model): its arithmetic
-    (GFLOP of the adapter, projection and head, forward and backward) at the rate ``torch.bmm``
-    reaches on projection-shaped products, plus its AdamW memory traffic at the rate the fused
-    kernel reaches; with one and two intra-op threads."""
-    cfg = config(f"data.clients_per_domain={m // 4}")
+def roofline(m: int = 100, model: Sequence[str] = ()) -> dict[str, Any]:
+    """What bounds one round of batched training at M = ``m`` (the default model, or ``model``
+    =FROZEN: a frozen projection): its arithmetic (GFLOP of the adapter, projection and head,
+    forward and backward; no weight gradient of a frozen projection) at the rate ``torch.bmm``
+    reaches on projection-shaped products, plus its AdamW memory traffic (trainable parameters)
+    at the rate the fused kernel reaches; with one and two intra-op threads.  The data is
+    ``train_round``'s for the same ``m`` and ``model``."""
+    extra = [f"data.clients_per_domain={m // 4}", *model]
+    if m >= 1000:
+        extra += [o for o in M1000_OVERRIDES if o.startswith(("data.train_f", "data.max_"))]
+    cfg = config(*extra)
     data = data_for(cfg)
     n = sum(c.num_train for c in data.clients)
     d_in, d, hidden = data.feature_dim, cfg.backbone.proto_dim, cfg.backbone.adapter_hidden
     k = data.num_classes
-    macs = 3 * (d_in * d + 2 * d_in * hidden + d * k)  # forward, input and weight gradients
+    trained_proj = cfg.backbone.train_projection
+    fwd = d_in * d + 2 * d_in * hidden + d * k
+    # forward, input gradients, weight gradients (of the trainable layers)
+    macs = 2 * fwd + (fwd if trained_proj else fwd - d_in * d)
     gflop = 2 * macs * n / 1e9
-    params = d_in * d + d + 2 * d_in * hidden + d * k + k
+    params = (d_in * d + d if trained_proj else 0) + 2 * d_in * hidden + d * k + k
     bs = cfg.federation.batch_size
     steps = sum(-(-c.num_train // bs) for c in data.clients) / len(data.clients)
     g = torch.Generator().manual_seed(0)
@@ -381,10 +396,19 @@ def roofline(m: int = 100) -> dict[str, Any]:
     return out
 
 
-def m1000(rounds: int) -> dict[str, Any]:
-    """The 1000-client run, in its own process (its own peak RSS)."""
+def m1000(rounds: int, scale: str = "m1000", *overrides: str) -> dict[str, Any]:
+    """The 1000- (or 10,000-) client run, in its own process (its own peak RSS)."""
+    sets = [a for o in overrides for a in ("--set", o)]
     out = subprocess.run(
-        [sys.executable, str(HERE / "bench_m1000.py"), "--rounds", str(rounds)],
+        [
+            sys.executable,
+            str(HERE / "bench_m1000.py"),
+            "--rounds",
+            str(rounds),
+            "--scale",
+            scale,
+            *sets,
+        ],
         check=True,
         capture_output=True,
         text=True,
@@ -426,12 +450,21 @@ def main() -> None:
     results["train"] = train
     results["kernel"] = step("kernel", kernel_step)
     results["roofline"] = step("roofline", roofline)
+    results["roofline_m1000_frozen_proj"] = step(
+        "roofline M=1000 frozen", lambda: roofline(1000, FROZEN)
+    )
     results["mechanisms"] = step(
         "mechanisms", lambda: mechanisms(100, rounds=3 if args.quick else 6)
     )
     _DATA.clear()
     results["cache"] = step("cache", lambda: cache(100 if args.quick else 200))
-    results["m1000"] = step("m1000", lambda: m1000(5 if args.quick else 20))
+    rounds = 5 if args.quick else 20
+    results["m1000"] = step("m1000", lambda: m1000(rounds))
+    # the same run with the clients' state in mapped files (run.client_state=disk)
+    results["m1000_disk"] = step(
+        "m1000 disk", lambda: m1000(rounds, "m1000", "run.client_state=disk")
+    )
+    results["m10000"] = step("m10000", lambda: m1000(rounds, "m10000"))
     results["machine"]["load_average_end"] = list(os.getloadavg())
     results["suite_wall_s"] = time.perf_counter() - t0
     results.update(
@@ -439,6 +472,11 @@ def main() -> None:
             "batched_speedup_m100": train["m100_default"]["speedup"],
             "batched_floor_speedup_m100": train["m100_default"]["sequential_s"]
             / results["roofline"]["floor_s_1thread"],
+            # batched training time over its floor (target: within 1.25x)
+            "batched_over_floor_m100": train["m100_default"]["batched_s"]
+            / results["roofline"]["floor_s_1thread"],
+            "batched_over_floor_m1000_frozen_proj": train["m1000_frozen_proj"]["batched_s"]
+            / results["roofline_m1000_frozen_proj"]["floor_s_1thread"],
             "batched_speedup_m100_frozen_proj": train["m100_frozen_proj"]["speedup"],
             "batched_speedup_m1000": train["m1000_frozen_proj"]["speedup"],
             "round_speedup_m1000": train["m1000_frozen_proj"].get("round_speedup"),
@@ -447,6 +485,13 @@ def main() -> None:
             "m1000_wall_s": results["m1000"]["wall_s"],
             "m1000_peak_rss_gb": results["m1000"]["peak_rss_gb"],
             "m1000_avg_acc": results["m1000"]["avg_acc"],
+            # state offloading's cost per round at M = 1000 (disk over memory, rounds only)
+            "offload_round_cost_m1000": results["m1000_disk"]["rounds_s"]
+            / results["m1000"]["rounds_s"],
+            "m1000_disk_peak_rss_gb": results["m1000_disk"]["peak_rss_gb"],
+            "m10000_wall_s": results["m10000"]["wall_s"],
+            "m10000_peak_rss_gb": results["m10000"]["peak_rss_gb"],
+            "m10000_avg_acc": results["m10000"]["avg_acc"],
         }
     )
     print_table(results)
@@ -528,6 +573,23 @@ def print_table(r: dict[str, Any]) -> None:
     print("profile of one round (own time):")
     for line in m["profile_round2"][:8]:
         print("  " + line)
+    d = r["m1000_disk"]
+    print(
+        f"the same with run.client_state=disk: rounds {d['rounds_s']:.0f} s "
+        f"(x{r['offload_round_cost_m1000']:.2f}), peak RSS {d['peak_rss_gb']:.2f} GB, "
+        f"avg acc {d['avg_acc']:.3f}"
+    )
+    x = r["m10000"]
+    print(
+        f"\n{x['clients']} clients x {len(x['rounds'])} rounds, 10% participation, state on disk: "
+        f"{x['wall_s']:.0f} s (data {x['data_s']:.0f} s, build {x['build_s']:.0f} s, rounds "
+        f"{x['rounds_s']:.0f} s), peak RSS {x['peak_rss_gb']:.2f} GB, store "
+        f"{x['state_on_disk_gb']:.1f} GB on disk, avg acc {x['avg_acc']:.3f}"
+    )
+    print(
+        f"batched training over its floor: M=100 {r['batched_over_floor_m100']:.2f}x, "
+        f"M=1000 (frozen projection) {r['batched_over_floor_m1000_frozen_proj']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import json
 import logging
 import platform
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +40,9 @@ from protofl.errors import ConfigError
 from protofl.privacy.base import Mechanism
 
 log = logging.getLogger("protofl")
+
+STATE_DIR = "client-state"
+"""A run folder's memory-mapped client store (``run.client_state=disk``)."""
 
 
 @dataclass
@@ -384,6 +388,7 @@ class RunSession:
         self.target = 0
         self.extensions: list[dict[str, Any]] = []
         self.metrics_path = run_dir / "metrics.jsonl"
+        self.state_dir: Path | None = None
 
     def open(
         self,
@@ -412,7 +417,11 @@ class RunSession:
         self.data = data
         self.setup_s = time.perf_counter() - t0
         log.info("data ready in %.1fs: %d clients", self.setup_s, len(data.clients))
-        sim = Simulation(config, data, upload_hooks=diagnostics_for(config))
+        # run.client_state=disk: the clients' mapped store (rebuilt from the checkpoint on a
+        # resume, removed once the run has finished: the last checkpoint holds it all)
+        state_dir = run_dir / STATE_DIR if config.run.client_state == "disk" else None
+        self.state_dir = state_dir
+        sim = Simulation(config, data, upload_hooks=diagnostics_for(config), state_dir=state_dir)
         self.sim = sim
         self.extensions = read_extensions(run_dir)
         self.target = target_rounds(run_dir, config)
@@ -450,6 +459,7 @@ class RunSession:
         fed = self.config.federation
         if fed.checkpoint and (m.round % fed.checkpoint_every == 0 or m.round == self.target):
             save_checkpoint(self.run_dir, m.round, self.checkpoint_state())
+            self.sim.page_out()  # writing it read every client's mapped state
         log.info(
             "round %d: avg %.4f std %.4f loss %.4f", m.round, m.avg_acc, m.std_acc, m.train_loss
         )
@@ -491,6 +501,8 @@ class RunSession:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if config.run.save_releases:
             save_artifacts(sim, run_dir)
+        if self.state_dir is not None:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
         return RunResult(run_dir=run_dir, summary=summary, history=history)
 
     def close(self) -> None:
