@@ -87,28 +87,31 @@ M10000_OVERRIDES = [
 SCALES = {"m1000": M1000_OVERRIDES, "m10000": M10000_OVERRIDES}
 
 
-def peak_rss_gb() -> float:
-    """Peak resident set size of this process: VmHWM (Linux; unlike ru_maxrss it is not
-    inherited from the parent across fork + exec), else ru_maxrss."""
+def _status_gb(field: str) -> float | None:
+    """A ``/proc/self/status`` memory field in GB (Linux), else None."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 2**20
     except OSError:
         pass
+    return None
+
+
+def peak_rss_gb() -> float:
+    """Peak resident set size of this process: VmHWM (Linux; unlike ru_maxrss it is not
+    inherited from the parent across fork + exec), else ru_maxrss."""
+    peak = _status_gb("VmHWM")
+    if peak is not None:
+        return peak
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 def current_rss_gb() -> float:
     """Resident set size now (VmRSS; Linux), else nan."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return float("nan")
+    now = _status_gb("VmRSS")
+    return float("nan") if now is None else now
 
 
 def state_bytes(sim: HookedSimulation) -> int:

@@ -70,6 +70,15 @@ def equal_shards(
     return [np.sort(s) for s in np.array_split(perm, num_clients)]
 
 
+def _check_dirichlet(samples: int, num_clients: int, alpha: float, min_size: int) -> None:
+    if alpha <= 0:
+        raise PartitionError(f"dirichlet alpha={alpha} must be > 0")
+    if samples < num_clients * min_size:
+        raise PartitionError(
+            f"{samples} samples cannot give {num_clients} clients at least {min_size} each"
+        )
+
+
 def dirichlet_split(
     indices: np.ndarray,
     labels: np.ndarray,
@@ -85,12 +94,7 @@ def dirichlet_split(
     ``labels`` are the labels of ``indices`` (same length). Fails with the numbers when no draw
     gives every client ``min_size`` samples, instead of looping forever.
     """
-    if alpha <= 0:
-        raise PartitionError(f"dirichlet alpha={alpha} must be > 0")
-    if len(indices) < num_clients * min_size:
-        raise PartitionError(
-            f"{len(indices)} samples cannot give {num_clients} clients at least {min_size} each"
-        )
+    _check_dirichlet(len(indices), num_clients, alpha, min_size)
     classes = np.unique(labels)
     smallest = 0
     for _ in range(max_tries):
@@ -132,12 +136,7 @@ def dirichlet_label_split(
     there are thousands of them and a few samples each), no client is ever empty, so it serves
     cross-device federations of 10^4 clients.
     """
-    if alpha <= 0:
-        raise PartitionError(f"dirichlet alpha={alpha} must be > 0")
-    if len(indices) < num_clients * min_size:
-        raise PartitionError(
-            f"{len(indices)} samples cannot give {num_clients} clients at least {min_size} each"
-        )
+    _check_dirichlet(len(indices), num_clients, alpha, min_size)
     classes = np.unique(labels)
     pools = [list(rng.permutation(indices[labels == c])) for c in classes]
     left = np.array([len(p) for p in pools])
