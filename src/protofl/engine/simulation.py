@@ -107,7 +107,7 @@ class Simulation:
             rounds=fed.rounds,
         )
         # where the method's own server-side training runs (FedTGP's prototypes, MPFT's head)
-        self.method.device = self.device  # type: ignore[attr-defined]
+        self.method.device = self.device
         if self.method.needs_domain and any(c.domain < 0 for c in data.clients):
             raise ValueError(f"method {self.method.name!r} needs every client to report a domain")
         self.mechanism: Mechanism = create_mechanism(

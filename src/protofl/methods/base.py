@@ -116,6 +116,9 @@ class Method:
     extra_uploads: ClassVar[tuple[str, ...]] = ()
     """What ``upload_extras`` sends beside the release and the weights, in words (one entry
     per item, ``"name: what it is"``): the privacy statement lists each as not covered."""
+    device: torch.device = torch.device("cpu")
+    """Where the method's own server-side computation runs (FedTGP's prototypes, MPFT's head);
+    the engine sets it from ``run.device``."""
 
     def __init__(
         self,

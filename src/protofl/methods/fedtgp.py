@@ -133,8 +133,6 @@ class FedTGP(Method):
     """
 
     name = "fedtgp"
-    #: where the server-side training runs (the engine sets it from run.device)
-    device: torch.device = torch.device("cpu")
     defaults: ClassVar[dict[str, Any]] = {
         "lam": 1.0,
         "margin_cap": 100.0,

@@ -74,8 +74,6 @@ class MPFT(Method):
     """Server-side fine-tuning on released prototypes, then client distillation from it."""
 
     name = "mpft"
-    #: where the server-side training runs (the engine sets it from run.device)
-    device: torch.device = torch.device("cpu")
     defaults: ClassVar[dict[str, Any]] = {
         "beta": 0.3,
         "temperature": 4.0,
