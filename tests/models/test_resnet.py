@@ -8,13 +8,22 @@ import torch
 from torch import nn
 
 from protofl.config import BackboneConfig, ExperimentConfig
+from protofl.data.allocation import preset_values
+from protofl.data.pacs import PACS_CLASSES
 from protofl.engine.runner import run_experiment
-from protofl.models.backbones import BACKBONE_REGISTRY, create_backbone
+from protofl.models.backbones import BACKBONE_REGISTRY, backbone_class, create_backbone
 from protofl.models.resnet import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     ResNetClientModel,
     random_crop_flip,
+)
+from tests.models.helpers import (
+    assert_preset_landed,
+    client_states,
+    initial_client_state,
+    make_pacs,
+    paper_config,
 )
 
 
@@ -107,3 +116,61 @@ def test_engine_trains_a_resnet_from_scratch(tmp_path: Path) -> None:
     )
     result = run_experiment(cfg, out=tmp_path)
     assert np.isfinite(result.summary["final_train_loss"]) and result.summary["rounds"] == 1
+
+
+# ----------------------------------------------------- the papers' settings end to end (FedDAP)
+
+
+def test_feddap_preset_trains_resnet10_from_scratch_at_32_px_end_to_end(tmp_path: Path) -> None:
+    """FedDAP's setting through the preset: a ResNet-10 at 32 px, every weight trained."""
+    size = preset_values("feddap", "pacs")["image_size"]  # the preset leaves it to the backbone
+    assert size == 32
+    root = make_pacs(tmp_path / "PACS", per_class=3)
+    config = paper_config(
+        "feddap", root, {"name": "resnet10", "image_size": size}, rounds=2, local_epochs=1
+    )
+    assert config.method.name == "feddap"  # the preset's method
+    assert_preset_landed(config, overridden={"federation.rounds", "federation.local_epochs"})
+    assert config.federation.optimizer == "sgd" and config.backbone.train_projection
+
+    result = run_experiment(config, out=tmp_path / "runs")
+    assert result.summary["rounds"] == 2 and result.summary["preset"] == "feddap"
+    assert len(result.summary["clients"]) == 10  # FedDAP's uneven PACS allocation: 3+2+1+4
+    assert np.isfinite(result.summary["final_train_loss"])
+
+    model = backbone_class(config.backbone).client_model(
+        3, len(PACS_CLASSES), config.backbone, torch.Generator()
+    )
+    assert isinstance(model, ResNetClientModel)
+    assert len(model.trainable_parameters()) == len(list(model.parameters()))  # nothing frozen
+    init = initial_client_state(config, 3)
+    params = {name for name, _ in model.named_parameters()}
+    for client, after in enumerate(client_states(result.run_dir, 1)):
+        assert after.keys() == init.keys()
+        for key in params:  # every weight of the ResNet (and the head) moved in round 1
+            assert not torch.equal(after[key], init[key]), (client, key)
+        assert not torch.equal(after["net.bn1.running_mean"], init["net.bn1.running_mean"])
+
+
+def test_resnet18_at_32_px_keeps_a_4x4_map_before_pooling() -> None:
+    """FedDAP's PACS backbone at its input size: 32 -> 32 -> 16 -> 8 -> 4 px over the stages."""
+    cfg = BackboneConfig(name="resnet18", image_size=32, proto_dim=512)
+    model = BACKBONE_REGISTRY.get("resnet18").client_model(
+        3, len(PACS_CLASSES), cfg, torch.Generator().manual_seed(0)
+    )
+    assert isinstance(model, ResNetClientModel)
+    z = create_backbone("resnet18", 32).encode(
+        np.random.default_rng(0).integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
+    )
+    assert z.shape == (2, 3, 32, 32)
+    net = model.net
+    model.eval()
+    with torch.no_grad():
+        h = torch.relu(net.bn1(net.conv1(z)))
+        sizes = []
+        for stage in (net.layer1, net.layer2, net.layer3, net.layer4):
+            h = stage(h)
+            sizes.append(tuple(h.shape[1:]))
+        f, logits = model(z)
+    assert sizes == [(64, 32, 32), (128, 16, 16), (256, 8, 8), (512, 4, 4)]
+    assert f.shape == (2, 512) and logits.shape == (2, len(PACS_CLASSES))

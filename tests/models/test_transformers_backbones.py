@@ -3,6 +3,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,14 +15,25 @@ import torch
 pytest.importorskip("transformers")
 
 from protofl.config import BackboneConfig, ExperimentConfig
+from protofl.data.allocation import preset_values
+from protofl.data.pacs import PACS_DOMAINS
 from protofl.engine.runner import run_experiment
-from protofl.models.backbones import BACKBONE_REGISTRY, create_backbone
+from protofl.models.backbones import BACKBONE_REGISTRY, backbone_class, create_backbone
 from protofl.models.transformers_backbones import (
     BlockAdapter,
     TextEncoderBackbone,
     ViTAdapterClientModel,
+    ViTBackbone,
     VitRandomMicro,
     block_output,
+    hash_files,
+)
+from tests.models.helpers import (
+    assert_preset_landed,
+    client_states,
+    initial_client_state,
+    make_pacs,
+    paper_config,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -321,3 +333,115 @@ def test_engine_runs_fedproto_on_text_files_with_a_text_encoder(
     )
     result = run_experiment(cfg, out=tmp_path / "runs")
     assert set(result.summary["acc"]) == {"a", "b"} and result.summary["rounds"] == 2
+
+
+# ------------------------------------------------------- the papers' settings end to end (VPDR)
+
+
+def test_vpdr_preset_runs_the_per_block_vit_at_224_px_end_to_end(tmp_path: Path) -> None:
+    """VPDR's setting through the preset: an adapter after every block, nothing cached past the
+    patch embedding, gradients through the whole network, frozen blocks untouched."""
+    size = preset_values("vpdr", "pacs")["image_size"]  # the preset leaves it to the backbone
+    assert size == 224
+    root = make_pacs(tmp_path / "PACS", per_class=3)
+    config = paper_config(
+        "vpdr",
+        root,
+        {"name": "vit_random_micro", "image_size": size},
+        rounds=2,
+        local_epochs=1,
+    )
+    assert_preset_landed(config, overridden={"federation.rounds", "federation.local_epochs"})
+    assert config.backbone.options == {}  # adapt_last_k left at its default: every block
+    # without the test's run-length overrides the preset's protocol stands (T = 20, E = 2)
+    full = paper_config("vpdr", root, {"name": "vit_random_micro", "image_size": size})
+    assert (full.federation.rounds, full.federation.local_epochs) == (20, 2)
+
+    backbone = backbone_class(config.backbone)(size)
+    assert isinstance(backbone, ViTBackbone)
+    frozen = backbone.frozen
+    assert backbone.prefix_depth == 0 and backbone.k == frozen.num_layers == 2
+    assert backbone.cache_key.endswith("-224px-prefix0of2")
+    x = _images(2, size=size)
+    tokens = backbone.encode(x)
+    assert tokens.shape == (2, 1 + (224 // 8) ** 2, 32)
+    with torch.no_grad():  # the cached prefix is the patch embedding, no transformer block
+        assert torch.equal(tokens, frozen.embed(backbone.preprocess(x)))
+    frozen_before = {k: v.clone() for k, v in frozen.model.state_dict().items()}
+
+    result = run_experiment(config, out=tmp_path / "runs")
+    assert result.summary["rounds"] == 2 and result.summary["preset"] == "vpdr"
+    assert result.summary["clients"] == list(PACS_DOMAINS)  # one client per domain
+    assert np.isfinite(result.summary["final_train_loss"])
+    stored = ExperimentConfig.from_yaml(result.run_dir / "config.yaml")
+    assert stored.to_dict() == config.to_dict()
+
+    assert backbone_class(config.backbone)(size).frozen is frozen  # the ViT the run used
+    for key, value in frozen.model.state_dict().items():
+        assert torch.equal(value, frozen_before[key]), f"frozen ViT weight {key} changed"
+    init = initial_client_state(config, backbone.feature_dim)
+    assert sorted({k.split(".")[1] for k in init if k.startswith("adapters.")}) == ["0", "1"]
+    for client, after in enumerate(client_states(result.run_dir, 1)):
+        # round 1: W_up starts at zero, so a non-zero W_up in every block = a gradient reached
+        # every block's adapter (W_down's gradient is W_up-weighted: zero in the first step)
+        for block in range(frozen.num_layers):
+            assert float(after[f"adapters.{block}.up.weight"].abs().sum()) > 0, (client, block)
+    for client, after in enumerate(client_states(result.run_dir, 2)):
+        assert after.keys() == init.keys()
+        for key, value in after.items():
+            if key.startswith("proj."):  # VPDR: the projection is a fixed random map
+                assert torch.equal(value, init[key]), (client, key)
+            else:  # every adapter weight of every block, and the head, trained
+                assert not torch.equal(value, init[key]), (client, key)
+
+
+def _save_vit_checkpoint(folder: Path) -> Path:
+    """A small random ViT with ViT-S's width (d = 384), 224 px, saved as a Hugging Face
+    checkpoint folder (``save_pretrained``), with a preprocessor config (mean/std 0.5)."""
+    from transformers import ViTConfig, ViTImageProcessor, ViTModel
+
+    config = ViTConfig(
+        hidden_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        intermediate_size=768,
+        patch_size=32,
+        image_size=224,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        ViTModel(config, add_pooling_layer=False).save_pretrained(folder)
+    ViTImageProcessor(image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(folder)
+    return folder
+
+
+def test_vpdr_preset_runs_a_vit_from_a_local_checkpoint_folder_offline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = _save_vit_checkpoint(tmp_path / "vit-small-patch16-224")
+    monkeypatch.delenv("PROTOFL_VIT_CHECKPOINT", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"network access at run time: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    root = make_pacs(tmp_path / "PACS", per_class=3)
+    config = paper_config(
+        "vpdr",
+        root,
+        {"name": "vit_small", "image_size": 224, "options": {"checkpoint": str(ckpt)}},
+        rounds=1,
+        local_epochs=1,
+    )
+    assert_preset_landed(config, overridden={"federation.rounds", "federation.local_epochs"})
+    backbone = backbone_class(config.backbone)(224)
+    assert isinstance(backbone, ViTBackbone)
+    assert backbone.weights_id() == hash_files(ckpt) and backbone.prefix_depth == 0
+    assert backbone.frozen.mean.tolist() == [0.5] * 3  # from preprocessor_config.json
+    assert not backbone.frozen.interpolate  # a 224 px checkpoint at 224 px
+
+    result = run_experiment(config, out=tmp_path / "runs")
+    assert result.summary["rounds"] == 1 and np.isfinite(result.summary["final_train_loss"])
+    stored = ExperimentConfig.from_yaml(result.run_dir / "config.yaml")
+    assert stored.backbone.options == {"checkpoint": str(ckpt)}  # recorded for a rerun
