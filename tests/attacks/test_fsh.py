@@ -100,3 +100,46 @@ def test_bad_arguments_fail_naming_them() -> None:
         hijack(phi, torch.zeros(1, 4), (1, 2, 2), samples_per_target=0)
     with pytest.raises(ValueError, match="targets"):
         hijack(phi, torch.zeros(4), (1, 2, 2))
+
+
+def test_hijack_on_an_explicit_device_starts_from_the_same_draws() -> None:
+    bb, _, f, _ = _toy_feature_map()
+    targets = torch.stack([f[0], f[1]])
+    kwargs = {"samples_per_target": 2, "max_steps": 20, "patience": 20}
+    a = hijack(
+        bb.encode_batch, targets, (3, 16, 16), generator=torch.Generator().manual_seed(3), **kwargs
+    )  # type: ignore[attr-defined]
+    b = hijack(
+        bb.encode_batch,
+        targets,
+        (3, 16, 16),
+        generator=torch.Generator().manual_seed(3),
+        device="cpu",
+        **kwargs,
+    )  # type: ignore[attr-defined]
+    assert torch.equal(a.images, b.images) and torch.equal(a.losses, b.losses)
+    assert b.images.device.type == "cpu" and b.features.device.type == "cpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_hijack_on_cuda_matches_the_cpu_to_rounding() -> None:
+    bb, _, f, _ = _toy_feature_map()
+    targets = torch.stack([f[0], f[1]])
+    kwargs = {"samples_per_target": 2, "max_steps": 20, "patience": 20}
+    cpu = hijack(
+        bb.encode_batch, targets, (3, 16, 16), generator=torch.Generator().manual_seed(3), **kwargs
+    )  # type: ignore[attr-defined]
+    from protofl.models.device import move_attributes
+
+    move_attributes(bb, torch.device("cuda"))
+    gpu = hijack(
+        bb.encode_batch,
+        targets,
+        (3, 16, 16),
+        generator=torch.Generator().manual_seed(3),
+        device="cuda",
+        **kwargs,
+    )  # type: ignore[attr-defined]
+    assert gpu.images.device.type == "cpu"
+    torch.testing.assert_close(gpu.images, cpu.images, atol=1e-3, rtol=1e-3)

@@ -150,13 +150,26 @@ class ClientView:
     test_z: torch.Tensor
     class_names: tuple[str, ...]
 
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def to(self, device: torch.device) -> ClientView:
+        """Move the client model and the backbone to ``device`` (in place); returns self."""
+        from protofl.models.device import move_attributes
+
+        if device != self.device:
+            self.model.to(device)
+            move_attributes(self.backbone, device)
+            self.device = device
+        return self
+
     def phi_z(self, z: torch.Tensor) -> torch.Tensor:
-        """phi on frozen representations (no gradient)."""
+        """phi on frozen representations (no gradient), on the CPU."""
         with torch.no_grad():
-            return self.method.upload_features(self.model, z).detach()
+            return self.method.upload_features(self.model, z.to(self.device)).detach().cpu()
 
     def phi_images(self, x: torch.Tensor) -> torch.Tensor:
-        """phi on float images [B, 3, S, S] in [0, 1], differentiable through the backbone."""
+        """phi on float images [B, 3, S, S] in [0, 1], differentiable through the backbone
+        (``x`` on the view's device)."""
         return self.method.upload_features(self.model, self.backbone.encode_batch(x))
 
     @property

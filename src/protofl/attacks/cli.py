@@ -105,6 +105,7 @@ def _attack(
             max_steps=args.steps,
             patience=args.patience,
             seed=args.seed,
+            device=args.device,
         )
         columns = FSH_COLUMNS
         out_file = "attack_fsh.json"
@@ -237,6 +238,12 @@ def add_attack_parsers(subparsers: Any) -> tuple[argparse.ArgumentParser, argpar
         type=int,
         default=2,
         help="FSH: reconstructions per target prototype (default 2)",
+    )
+    attack.add_argument(
+        "--device",
+        default=None,
+        help="FSH: where the optimisation runs (auto, cpu, cuda, cuda:N; default: the run's "
+        "run.device)",
     )
     attack.add_argument("--json", action="store_true", help="print the result as JSON")
     attack.set_defaults(func=_cmd_attack)

@@ -71,8 +71,13 @@ def hijack(
     tol: float = 1e-6,
     init_std: float = 0.1,
     generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
 ) -> FshResult:
-    """Optimise ``samples_per_target`` images per target prototype (all in one batch)."""
+    """Optimise ``samples_per_target`` images per target prototype (all in one batch).
+
+    ``device``: where the optimisation runs (``phi`` must compute there); the initial images
+    are drawn from ``generator`` on the CPU and moved, so a seed gives the same start on any
+    device; the result is on the CPU."""
     if targets.ndim != 2:
         raise ValueError(f"targets must be [K, d], got {tuple(targets.shape)}")
     for name, value, low in (
@@ -89,11 +94,13 @@ def hijack(
     k, d = targets.shape
     s = samples_per_target
     gen = generator or torch.Generator().manual_seed(0)
-    goal = targets.detach().float().repeat_interleave(s, dim=0)  # [K*S, d]
-    w = (init_std * torch.randn((k * s, *image_shape), generator=gen)).requires_grad_(True)
+    dev = torch.device(device) if device is not None else targets.device
+    goal = targets.detach().float().repeat_interleave(s, dim=0).to(dev)  # [K*S, d]
+    w = (init_std * torch.randn((k * s, *image_shape), generator=gen)).to(dev)
+    w.requires_grad_(True)
     opt = torch.optim.Adam([w], lr=lr)
-    best_loss = torch.full((k * s,), math.inf)
-    best_x = torch.zeros((k * s, *image_shape))
+    best_loss = torch.full((k * s,), math.inf, device=dev)
+    best_x = torch.zeros((k * s, *image_shape), device=dev)
     run_best = math.inf
     since = 0
     step = 0
@@ -119,7 +126,8 @@ def hijack(
                 if since >= patience:
                     break
     with torch.no_grad():
-        feats = phi(best_x).detach()
+        feats = phi(best_x).detach().cpu()
+    best_x, best_loss = best_x.cpu(), best_loss.cpu()
     classes = (
         target_classes.detach().cpu().long()
         if target_classes is not None
@@ -278,6 +286,7 @@ def fsh_on_run(
     threads: int | None = 1,
     home: Any = None,
     write: bool = True,
+    device: str | None = None,
 ) -> dict[str, Any]:
     """Hijack every (or the named) client's release of round ``round_`` (1-based, default the
     last) of a saved run; writes ``attack_fsh.json`` and one PNG grid per client
@@ -285,14 +294,18 @@ def fsh_on_run(
 
     ``threads``: torch intra-op threads while attacking (1 by default: the batch is small, and
     more threads were measured up to 10x slower per step on a loaded 2-core machine).
+    ``device``: where the optimisation runs (default: the run's ``run.device``, resolved on
+    this machine); the reconstructions start from the same CPU draws on any device.
     """
     import json
     import re
 
     from protofl.attacks.artifacts import json_safe, load_run, rebuild_clients, run_facts
     from protofl.attacks.mia import mean_metrics
+    from protofl.models.device import prepare_device
 
     art = load_run(run_dir)
+    dev = prepare_device(device or art.config.run.device)
     r = art.rounds if round_ is None else round_
     targets = [art.client_index(n) for n in clients] if clients else range(len(art.clients))
     releases = {i: art.release(r, i) for i in targets}  # validates round and clients first
@@ -309,6 +322,7 @@ def fsh_on_run(
                     f"{art.config.data.name!r} is not an image data set"
                 )
             gen = torch.Generator().manual_seed(seed * 1_000_003 + view.index)
+            view.to(dev)
             result, metrics = hijack_release(
                 view.phi_images,
                 releases[view.index],
@@ -323,6 +337,7 @@ def fsh_on_run(
                 lr=lr,
                 lambda_tv=lambda_tv,
                 generator=gen,
+                device=dev,
             )
             per_client[view.name] = metrics
             if write:
@@ -358,6 +373,7 @@ def fsh_on_run(
             "lambda_tv": lambda_tv,
             "max_classes": max_classes,
             "seed": seed,
+            "device": str(dev),
             "cffd": "diagonal-covariance Frechet distance, mean over attacked classes",
             "top1_hit": "nearest true class mean of the client's real features",
         },
