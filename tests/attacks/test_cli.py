@@ -80,6 +80,7 @@ def test_attack_mia_and_fsh_end_to_end(tiny_run: Path, capsys: pytest.CaptureFix
     ):
         assert 0.0 <= mia["mean"][key] <= 1.0
     assert set(mia["clients"]) == {"red", "blue"}
+    assert mia["device"] == "cpu"  # the run's run.device (auto), resolved on this machine
 
     code = main(
         [
@@ -102,6 +103,17 @@ def test_attack_mia_and_fsh_end_to_end(tiny_run: Path, capsys: pytest.CaptureFix
     assert -1.0 <= fsh["mean"]["cos_sim"] <= 1.0 and fsh["mean"]["cffd"] >= 0
     assert 0.0 <= fsh["mean"]["top1_hit"] <= 1.0
     assert (tiny_run / "attack_fsh.json").exists() and (tiny_run / "attack_fsh_red.png").exists()
+    assert fsh["settings"]["device"] == "cpu"
+
+
+def test_attack_on_a_device_torch_cannot_see_is_one_line(
+    tiny_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["attack", str(tiny_run), "--attack", "fsh", "--device", "cuda"]) == 2
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln.lower()]
+    assert len(errors) == 1 and "torch sees no CUDA GPU" in errors[0]  # one line, no traceback
 
 
 def test_attack_bad_input_names_what_is_missing(

@@ -91,6 +91,7 @@ def _attack(
             clients=clients,
             max_per_class=args.max_per_class,
             seed=args.seed,
+            device=args.device,
         )
         columns: Sequence[tuple[str, str]] = MIA_COLUMNS
         out_file = "attack_mia.json"
@@ -242,8 +243,8 @@ def add_attack_parsers(subparsers: Any) -> tuple[argparse.ArgumentParser, argpar
     attack.add_argument(
         "--device",
         default=None,
-        help="FSH: where the optimisation runs (auto, cpu, cuda, cuda:N; default: the run's "
-        "run.device)",
+        help="where the attack computes (auto, cpu, cuda, cuda:N; default: the run's "
+        "run.device): FSH's optimisation, MIA's features",
     )
     attack.add_argument("--json", action="store_true", help="print the result as JSON")
     attack.set_defaults(func=_cmd_attack)

@@ -409,20 +409,27 @@ def mia_on_run(
     seed: int = 0,
     home: Any = None,
     write: bool = True,
+    device: str | None = None,
 ) -> dict[str, Any]:
     """Both membership attacks on every (or the named) client's release of round ``round_``
-    (1-based; default the last) of a saved run; writes ``attack_mia.json`` into the run folder."""
+    (1-based; default the last) of a saved run; writes ``attack_mia.json`` into the run folder.
+
+    ``device``: where the client models compute the features (default: the run's
+    ``run.device``, resolved on this machine); the scoring runs on the CPU."""
     import json
     from pathlib import Path
 
     from protofl.attacks.artifacts import json_safe, load_run, rebuild_clients, run_facts
+    from protofl.models.device import prepare_device
 
     art = load_run(run_dir)
+    dev = prepare_device(device or art.config.run.device)
     r = art.rounds if round_ is None else round_
     targets = [art.client_index(n) for n in clients] if clients else range(len(art.clients))
     releases = {i: art.release(r, i) for i in targets}  # validates round and clients first
     per_client: dict[str, dict[str, float]] = {}
     for view in rebuild_clients(art, clients, home=Path(home) if home else None, round_=r):
+        view.to(dev)
         per_client[view.name] = mia_on_release(
             view.phi_z(view.train_z),
             view.train_labels,
@@ -437,6 +444,7 @@ def mia_on_run(
         **run_facts(art, r),
         "max_per_class": max_per_class,
         "seed": seed,
+        "device": str(dev),
         "clients": per_client,
         "mean": mean_metrics(per_client),
     }
