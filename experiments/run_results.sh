@@ -12,7 +12,9 @@ mkdir -p "$out"
 # build the data and the 64 px feature cache once, before the workers start
 $protofl run --quiet --out "$out/warmup" --set federation.rounds=1 --set run.save_releases=false >/dev/null
 for sweep in nopriv_methods vpdr_table1 vpdr_table7 vpdr_ablation feddap_ablation feddap_fusion \
-             vpdr_sensitivity vpdr_sensitivity_r privacy_utility label_skew text_rotten; do
+             vpdr_sensitivity vpdr_sensitivity_r privacy_utility label_skew text_rotten \
+             vpdr_table1_preset vpdr_table7_preset vpdr_ablation_preset vpdr_sensitivity_preset \
+             vpdr_sensitivity_r_preset vpp_variants_igpp vpp_variants; do
   $protofl sweep "experiments/$sweep.yaml" --jobs "$jobs" --out "$out/$sweep" --quiet --no-table \
     --set federation.checkpoint=false
 done
@@ -31,5 +33,12 @@ t() { $protofl table --format md "$@"; }
     --where method=fedproto --by mechanism,epsilon
   t "$out/label_skew" --by data.dirichlet_alpha,mechanism
   t "$out/text_rotten" --by data.dirichlet_alpha,mechanism
+  # under VPDR's protocol (preset: vpdr)
+  t "$out/vpdr_table1_preset" --by method,mechanism
+  t "$out/vpdr_table7_preset" --by method,mechanism
+  t "$out/vpdr_ablation_preset" --by mechanism,privacy.dcr
+  t "$out/vpdr_sensitivity_preset" --by privacy.vpp_rho
+  t "$out/vpdr_sensitivity_r_preset" --by privacy.vpp_ratio
+  t "$out/vpp_variants_igpp" "$out/vpp_variants" --by mechanism,privacy.vpp_variant,epsilon
 } > "$out/tables.md"
 echo "tables: $out/tables.md"
