@@ -102,44 +102,35 @@ def test_bad_arguments_fail_naming_them() -> None:
         hijack(phi, torch.zeros(4), (1, 2, 2))
 
 
-def test_hijack_on_an_explicit_device_starts_from_the_same_draws() -> None:
-    bb, _, f, _ = _toy_feature_map()
-    targets = torch.stack([f[0], f[1]])
-    kwargs = {"samples_per_target": 2, "max_steps": 20, "patience": 20}
-    a = hijack(
-        bb.encode_batch, targets, (3, 16, 16), generator=torch.Generator().manual_seed(3), **kwargs
-    )  # type: ignore[attr-defined]
-    b = hijack(
-        bb.encode_batch,
-        targets,
+def _hijack_two_targets(bb: object, f: torch.Tensor, device: str | None = None) -> object:
+    """Twenty steps against the features of two real images, from seed 3's draws."""
+    return hijack(
+        bb.encode_batch,  # type: ignore[attr-defined]
+        torch.stack([f[0], f[1]]),
         (3, 16, 16),
         generator=torch.Generator().manual_seed(3),
-        device="cpu",
-        **kwargs,
-    )  # type: ignore[attr-defined]
-    assert torch.equal(a.images, b.images) and torch.equal(a.losses, b.losses)
-    assert b.images.device.type == "cpu" and b.features.device.type == "cpu"
+        device=device,
+        samples_per_target=2,
+        max_steps=20,
+        patience=20,
+    )
+
+
+def test_hijack_on_an_explicit_device_starts_from_the_same_draws() -> None:
+    bb, _, f, _ = _toy_feature_map()
+    a, b = _hijack_two_targets(bb, f), _hijack_two_targets(bb, f, device="cpu")
+    assert torch.equal(a.images, b.images) and torch.equal(a.losses, b.losses)  # type: ignore[attr-defined]
+    assert b.images.device.type == "cpu" and b.features.device.type == "cpu"  # type: ignore[attr-defined]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_hijack_on_cuda_matches_the_cpu_to_rounding() -> None:
-    bb, _, f, _ = _toy_feature_map()
-    targets = torch.stack([f[0], f[1]])
-    kwargs = {"samples_per_target": 2, "max_steps": 20, "patience": 20}
-    cpu = hijack(
-        bb.encode_batch, targets, (3, 16, 16), generator=torch.Generator().manual_seed(3), **kwargs
-    )  # type: ignore[attr-defined]
     from protofl.models.device import move_attributes
 
+    bb, _, f, _ = _toy_feature_map()
+    cpu = _hijack_two_targets(bb, f)
     move_attributes(bb, torch.device("cuda"))
-    gpu = hijack(
-        bb.encode_batch,
-        targets,
-        (3, 16, 16),
-        generator=torch.Generator().manual_seed(3),
-        device="cuda",
-        **kwargs,
-    )  # type: ignore[attr-defined]
-    assert gpu.images.device.type == "cpu"
-    torch.testing.assert_close(gpu.images, cpu.images, atol=1e-3, rtol=1e-3)
+    gpu = _hijack_two_targets(bb, f.cuda(), device="cuda")
+    assert gpu.images.device.type == "cpu"  # type: ignore[attr-defined]
+    torch.testing.assert_close(gpu.images, cpu.images, atol=1e-3, rtol=1e-3)  # type: ignore[attr-defined]
