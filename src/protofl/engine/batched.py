@@ -376,7 +376,8 @@ class _Store:
     def adopt(self, c: Client, *, optimizer: bool = True) -> int:
         """Point ``c``'s trainable tensors at its rows (copying their current values); with
         ``optimizer`` also its AdamW state (created, as AdamW would, if it has none yet).
-        Returns the bytes moved (their old tensors are now free)."""
+        Returns the bytes written into the store (copied tensors' old storage is now free);
+        0 when the client already points at its rows."""
         r = self.row[c.data.client]
         model = c.model
         moved = 0
@@ -396,6 +397,7 @@ class _Store:
                 ):
                     store[n][r].zero_()
                     st[key] = store[n][r]
+                    moved += store[n][r].numel() * store[n].element_size()
                 continue
             for key, store in (
                 ("step", self.step),
@@ -414,11 +416,12 @@ class _Store:
         return moved
 
     def adopt_all(self, clients: Sequence[Client], *, optimizer: bool = True) -> None:
-        """:meth:`adopt` every client; give the freed memory back when much was moved."""
+        """:meth:`adopt` every client; give the freed memory back when much was written."""
         moved = 0
         for c in clients:
-            moved += self.adopt(c, optimizer=optimizer)
-            if self.directory is not None:  # what adopting wrote leaves the resident set
+            wrote = self.adopt(c, optimizer=optimizer)
+            moved += wrote
+            if wrote and self.directory is not None:  # what adopting wrote leaves RSS
                 self.page_out([self.row[c.data.client]])
         if moved >= FrozenParameterPool.TRIM_EVERY:
             release_free_memory()
