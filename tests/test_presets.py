@@ -290,6 +290,32 @@ def test_a_different_data_set_or_preset_takes_its_own_values() -> None:
     assert vpdr.data.allocation == "one_per_domain" and vpdr.data.fraction_unit == "domain"
 
 
+def test_a_client_count_override_is_not_lost_under_a_one_per_domain_preset(
+    tmp_path: Path,
+) -> None:
+    # measured: a sweep with preset vpdr and clients_per_domain=5 built 4 clients, not 20 (the
+    # preset's one_per_domain allocation silently ignored the user's count)
+    vpdr = ExperimentConfig().with_overrides(["preset=vpdr"])
+    assert vpdr.data.allocation == "one_per_domain"
+    skew = vpdr.with_overrides(["data.clients_per_domain=5", "data.partition=dirichlet"])
+    assert skew.data.clients_per_domain == 5 and skew.data.allocation == "equal"
+    assert skew.data.train_fraction == 0.1 and skew.federation.local_epochs == 2  # the rest stays
+    assert yaml.safe_load(skew.to_yaml())["data"]["allocation"] == "equal"  # recorded
+    from protofl.engine.federated_data import client_counts
+
+    domains = ["mnist", "optdigits", "syndigits", "mnistm"]
+    assert client_counts(skew, "digits4", domains) == dict.fromkeys(domains, 5)
+    # a file's data section behaves the same (the sweep's base)
+    path = tmp_path / "exp.yaml"
+    path.write_text("preset: vpdr\ndata:\n  clients_per_domain: 3\n")
+    assert ExperimentConfig.from_yaml(path).data.allocation == "equal"
+    # asking for both at once is a contradiction, refused in one line naming both keys
+    with pytest.raises(ConfigError, match=r"data\.clients_per_domain=5 .*data\.allocation="):
+        vpdr.with_overrides(["data.allocation=one_per_domain", "data.clients_per_domain=5"])
+    with pytest.raises(ConfigError, match=r"data\.allocation='feddap'"):
+        DataConfig(name="pacs", allocation="feddap", clients_per_domain=2)
+
+
 # ------------------------------------------------------------------------- protofl config
 def test_protofl_config_prints_the_resolved_preset(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

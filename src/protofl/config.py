@@ -105,6 +105,12 @@ class DataConfig:
                 high_open=True,
             )
         check_range("data.clients_per_domain", self.clients_per_domain, low=1)
+        if self.clients_per_domain != 1 and self.allocation not in (None, "equal"):
+            raise ConfigError(
+                f"data.clients_per_domain={self.clients_per_domain} has no effect under "
+                f"data.allocation={self.allocation!r}, which sets the clients of each domain "
+                "itself: set data.allocation=equal to use it, or drop data.clients_per_domain"
+            )
         check_choice("data.partition", self.partition, ("domain", "dirichlet", "dirichlet_labels"))
         check_range("data.dirichlet_alpha", self.dirichlet_alpha, low=0.0, low_open=True)
         check_range("data.min_client_size", self.min_client_size, low=1)

@@ -272,8 +272,18 @@ def apply_preset(
     )
     if not isinstance(dataset, str) or not isinstance(method, str):
         return dict(data)  # the wrong type is reported when the config is built
+    settings = preset_settings(name, dataset, method)
+    given = _section(data, "data")
+    # the user's client count wins over an allocation that would ignore it (a preset is a
+    # starting point: VPDR's one client per domain yields to clients_per_domain=5)
+    if (
+        "clients_per_domain" in given
+        and "allocation" not in given
+        and settings.get("data.allocation") not in (None, "equal")
+    ):
+        settings["data.allocation"] = "equal"
     base: dict[str, Any] = {}
-    for key, value in preset_settings(name, dataset, method).items():
+    for key, value in settings.items():
         _set_dotted(base, key, value)
     return _merge_under(base, data)
 

@@ -148,6 +148,12 @@ def client_counts(config: ExperimentConfig, dataset: str, domains: list[str]) ->
     spec: Any = config.data.allocation
     if spec is None:
         spec = data_preset(config).get("allocation")
+        if spec not in (None, "equal") and config.data.clients_per_domain != 1:
+            raise ValueError(
+                f"data.clients_per_domain={config.data.clients_per_domain} has no effect under "
+                f"data.preset={config.data.preset!r}, whose allocation {spec!r} sets the clients "
+                "of each domain: set data.allocation=equal to use it"
+            )
     if spec is None:
         return {d: config.data.clients_per_domain for d in domains}
     from protofl.data.allocation import resolve_allocation
