@@ -95,3 +95,21 @@ def test_client_state_and_memory_budget_are_checked() -> None:
         ["run.client_state=disk", "federation.execution=batched", "run.memory_budget_mb=64"]
     )
     assert ok.run.client_state == "disk" and ok.run.memory_budget_mb == 64
+
+
+def test_numbers_written_without_a_dot_are_numbers(tmp_path: Path) -> None:
+    # measured: --set federation.weight_decay=1e-5 and `lr: 1e-3` in a file were refused as
+    # "must be a number, got '1e-5'" (PyYAML's YAML 1.1 needs 1.0e-5)
+    config = ExperimentConfig().with_overrides(["federation.weight_decay=1e-5"])
+    assert config.federation.weight_decay == 1e-5
+    path = tmp_path / "exp.yaml"
+    path.write_text("federation:\n  lr: 1e-3\n  weight_decay: 2E+0\nname: run-1e3\n")
+    from_file = ExperimentConfig.from_yaml(path)
+    assert from_file.federation.lr == 1e-3 and from_file.federation.weight_decay == 2.0
+    assert from_file.name == "run-1e3"  # not a number: stays a string
+    from protofl.engine.sweep import load_sweep
+
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text("name: s\ngrid:\n  federation.lr: [1e-3, 1e-2]\n")
+    lrs = sorted(p.config.federation.lr for p in load_sweep(sweep).points)
+    assert lrs == [1e-3, 1e-2]

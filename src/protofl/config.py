@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from protofl import yamlio
 from protofl.errors import ConfigError
 from protofl.presets import apply_preset, check_preset, difference
 from protofl.privacy.config import PrivacyConfig
@@ -325,7 +326,7 @@ class ExperimentConfig:
             )
             raise ConfigError(f"config file {path} is a directory, not a YAML file{hint}")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yamlio.load(path.read_text()) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
         except UnicodeDecodeError:
@@ -349,7 +350,7 @@ class ExperimentConfig:
             if "=" not in item:
                 raise ConfigError(f"--set {item!r} must look like key=value")
             key, raw = item.split("=", 1)
-            set_dotted(data, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+            set_dotted(data, key.strip(), yamlio.load(raw) if raw.strip() else None)
         return ExperimentConfig.from_dict(data, source="--set")
 
 

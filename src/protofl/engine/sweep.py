@@ -70,6 +70,7 @@ from typing import Any
 
 import yaml
 
+from protofl import yamlio
 from protofl.config import ConfigError, ExperimentConfig, set_dotted
 from protofl.registry import nearest
 
@@ -186,7 +187,7 @@ def point_slug(overrides: Mapping[str, Any], limit: int = 72) -> str:
 
 def _read_yaml(path: Path, what: str) -> Any:
     try:
-        return yaml.safe_load(path.read_text())
+        return yamlio.load(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{what} {path} does not exist") from None
     except yaml.YAMLError as exc:
@@ -232,7 +233,7 @@ def apply_sweep_overrides(
             raise ConfigError(f"--set {item!r} must look like key=value")
         key, raw = (part.strip() for part in item.split("=", 1))
         try:
-            value = yaml.safe_load(raw) if raw else None
+            value = yamlio.load(raw) if raw else None
         except yaml.YAMLError as exc:
             raise ConfigError(f"--set {key}: {raw!r} is not valid YAML: {exc}") from None
         if isinstance(grid, dict) and key in grid:
@@ -437,7 +438,7 @@ def _select_override(current: Any, text: str) -> dict[str, Any]:
     out["key"] = key
     if raw:
         try:
-            out["values"] = yaml.safe_load(raw)
+            out["values"] = yamlio.load(raw)
         except yaml.YAMLError as exc:
             raise ConfigError(f"--select {key}: {raw!r} is not valid YAML: {exc}") from None
     return out
@@ -855,7 +856,7 @@ def execute_point(run_dir: str, config_yaml: str, home: str | None) -> dict[str,
     (path / ERROR_FILE).unlink(missing_ok=True)
     action, resumed_from = "ran", None
     try:
-        config = ExperimentConfig.from_dict(yaml.safe_load(config_yaml) or {}, source=run_dir)
+        config = ExperimentConfig.from_dict(yamlio.load(config_yaml) or {}, source=run_dir)
         (path / "config.yaml").write_text(config.to_yaml())
         home_path = Path(home) if home else None
         resume = (path / "checkpoints.json").exists()
@@ -924,7 +925,7 @@ def execute_group(
         members: list[FusedMember] = []
         starts: list[tuple[str, int | None]] = []
         for path, text in zip(paths, config_yamls):
-            config = ExperimentConfig.from_dict(yaml.safe_load(text) or {}, source=str(path))
+            config = ExperimentConfig.from_dict(yamlio.load(text) or {}, source=str(path))
             path.mkdir(parents=True, exist_ok=True)
             (path / ERROR_FILE).unlink(missing_ok=True)
             (path / "config.yaml").write_text(config.to_yaml())

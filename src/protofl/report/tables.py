@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import yaml
 
+from protofl import yamlio
+
 ALIASES: dict[str, str] = {
     "method": "method.name",
     "mechanism": "privacy.mechanism",
@@ -233,7 +235,7 @@ def load_run(path: str | Path) -> RunRecord:
 
 def _resolved_config(path: Path) -> dict[str, Any]:
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yamlio.load(path.read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise NotARun(f"config.yaml is unreadable ({exc})") from None
     if not isinstance(raw, dict):
@@ -305,7 +307,7 @@ def filter_runs(runs: Sequence[RunRecord], where: Iterable[str]) -> list[RunReco
         if "=" not in item:
             raise ValueError(f"--where {item!r} must look like key=value")
         key, raw = (part.strip() for part in item.split("=", 1))
-        tests.append((key, yaml.safe_load(raw) if raw else None))
+        tests.append((key, yamlio.load(raw) if raw else None))
 
     def same(a: Any, b: Any) -> bool:
         numbers = (int, float)
