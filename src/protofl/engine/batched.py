@@ -19,7 +19,10 @@ Semantics are those of :meth:`Simulation.train_client`, client by client:
 * each client's AdamW (its own ``lr``, betas, eps, weight decay, step count and moments) is
   applied with torch's fused AdamW kernel (the kernel ``torch.optim.AdamW(fused=True)`` runs:
   the same update formula, decoupled weight decay and bias correction as the default
-  implementation; results agree to float rounding);
+  implementation; results agree to float rounding); ``federation.optimizer: sgd`` (FedDAP's
+  protocol) is torch's SGD op for op on the stacked rows (weight decay added to the gradient,
+  heavy-ball or Nesterov momentum; dampening 0, whose first step, ``buf = grad``, is the
+  general step on a zero buffer, so a client's buffer exists from its first adoption);
 * a client with fewer steps than the longest one in its group is masked on the padded steps
   (no update, no optimizer step, no DCR step);
 * the trained parameters, AdamW states and DCR teachers ARE each client's ``model`` parameters,
@@ -114,14 +117,22 @@ def _model_problem(model: nn.Module) -> str | None:
     return None
 
 
+def _optimizer_kind(opt: torch.optim.Optimizer) -> str | None:
+    """``adamw`` or ``sgd`` for the two optimizers the trainer applies itself, else None."""
+    return {torch.optim.AdamW: "adamw", torch.optim.SGD: "sgd"}.get(type(opt))
+
+
 def _optimizer_problem(model: nn.Module, opt: torch.optim.Optimizer) -> str | None:
-    if type(opt) is not torch.optim.AdamW or len(opt.param_groups) != 1:
-        return f"optimizer {type(opt).__name__} is not a one-group AdamW"
+    kind = _optimizer_kind(opt)
+    if kind is None or len(opt.param_groups) != 1:
+        return f"optimizer {type(opt).__name__} is not a one-group AdamW or SGD"
     group = opt.param_groups[0]
     if group.get("amsgrad") or group.get("maximize") or group.get("differentiable"):
-        return "AdamW with amsgrad/maximize/differentiable"
+        return f"{type(opt).__name__} with amsgrad/maximize/differentiable"
     if isinstance(group["lr"], torch.Tensor):
-        return "AdamW with a tensor learning rate"
+        return f"{type(opt).__name__} with a tensor learning rate"
+    if kind == "sgd" and float(group.get("dampening", 0.0)) != 0.0:
+        return "SGD with dampening (its first step is not the general step)"
     trainable = [p for p in model.parameters() if p.requires_grad]
     if [id(p) for p in group["params"]] != [id(p) for p in trainable]:
         return "the optimizer does not hold exactly the model's trainable parameters"
@@ -375,17 +386,25 @@ class _Store:
 
     def adopt(self, c: Client, *, optimizer: bool = True) -> int:
         """Point ``c``'s trainable tensors at its rows (copying their current values); with
-        ``optimizer`` also its AdamW state (created, as AdamW would, if it has none yet).
+        ``optimizer`` also its AdamW state (created, as AdamW would, if it has none yet) or
+        its SGD momentum buffer (in the ``exp_avg`` rows; zero before the first step, which
+        dampening-free SGD treats exactly as a missing buffer).
         Returns the bytes written into the store (copied tensors' old storage is now free);
         0 when the client already points at its rows."""
         r = self.row[c.data.client]
         model = c.model
         moved = 0
         state = c.optimizer.state
+        sgd = _optimizer_kind(c.optimizer) == "sgd"
+        momentum = float(c.optimizer.param_groups[0].get("momentum", 0.0)) if sgd else 0.0
         for n, path in zip(self.names, self.paths):
             p = self._get(model, path)
             moved += self._point(p, self.param[n], r)
             if not optimizer:
+                continue
+            if sgd:
+                if momentum != 0.0:
+                    moved += self._adopt_buffer(state, p, self.exp_avg[n], r)
                 continue
             st = state.get(p)
             if not st:  # never stepped: AdamW's own initial state, here in the store
@@ -414,6 +433,21 @@ class _Store:
             for n, path in zip(self.teacher, self.teacher_paths):
                 moved += self._point(self._get(c.dcr.teacher, path), self.teacher[n], r)
         return moved
+
+    def _adopt_buffer(self, state: Any, p: torch.Tensor, store: torch.Tensor, r: int) -> int:
+        """SGD's ``momentum_buffer`` of ``p`` in row ``r`` of ``store`` (zeroed when SGD has
+        none yet); the bytes written."""
+        st = state[p]
+        view = store[r]
+        buf = st.get("momentum_buffer")
+        if buf is None:
+            view.zero_()
+        elif buf.data_ptr() == self._ptr(store, r):
+            return 0
+        else:
+            view.copy_(buf.detach().reshape(view.shape).to(view.dtype))
+        st["momentum_buffer"] = view
+        return view.numel() * view.element_size()
 
     def adopt_all(self, clients: Sequence[Client], *, optimizer: bool = True) -> None:
         """:meth:`adopt` every client; give the freed memory back when much was written."""
@@ -554,6 +588,8 @@ class BatchedTrainer:
         assert isinstance(first, ClientModel)
         self.head = _head_layout(first.head)
         self.train_proj = bool(first.proj.weight.requires_grad)
+        # federation.optimizer: sgd keeps its momentum buffers in the exp_avg rows
+        self.sgd = _optimizer_kind(sim.clients[0].optimizer) == "sgd"
         self.names = [n for n, p in first.named_parameters() if p.requires_grad]
         self.shapes = {n: tuple(p.shape) for n, p in first.named_parameters()}
         self.shared_proj = self.shared_projection(sim.clients)
@@ -604,9 +640,12 @@ class BatchedTrainer:
             group = c.optimizer.param_groups[0]
             sig = (
                 tuple((n, tuple(p.shape), p.requires_grad) for n, p in c.model.named_parameters()),
+                _optimizer_kind(c.optimizer),
                 float(group["lr"]),
-                tuple(float(b) for b in group["betas"]),
-                float(group["eps"]),
+                tuple(float(b) for b in group.get("betas", ())),
+                float(group.get("eps", 0.0)),
+                float(group.get("momentum", 0.0)),
+                bool(group.get("nesterov", False)),
                 float(group["weight_decay"]),
                 _head_layout(c.model.head),
                 c.dcr is not None,
@@ -856,9 +895,12 @@ class BatchedTrainer:
             with torch.no_grad():
                 for n, g_n in param_grads.items():  # the parameter terms' gradients
                     grads[n][:k].add_(g_n)
-                for n in self.names:
-                    opt_step[n][:k] += 1
-                self._adamw(params, grads, exp_avg, exp_avg_sq, opt_step, k)
+                if self.sgd:
+                    self._sgd(params, grads, exp_avg, k)
+                else:
+                    for n in self.names:
+                        opt_step[n][:k] += 1
+                    self._adamw(params, grads, exp_avg, exp_avg_sq, opt_step, k)
                 if dcr is not None and dcr_steps is not None:
                     dcr_steps[:k] += 1
                     self._ema(teacher, params, dcr_steps, k, dcr.warmup, dcr.beta)
@@ -973,6 +1015,27 @@ class BatchedTrainer:
             adamw_reference(
                 ps, gs, ms, vs, ss, lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps
             )
+
+    def _sgd(
+        self,
+        params: dict[str, torch.Tensor],
+        grads: dict[str, torch.Tensor],
+        bufs: dict[str, torch.Tensor],
+        k: int,
+    ) -> None:
+        """torch's single-tensor SGD (dampening 0) on rows 0..k-1, op for op."""
+        group = self.sim.clients[0].optimizer.param_groups[0]
+        lr, wd = float(group["lr"]), float(group["weight_decay"])
+        momentum, nesterov = float(group["momentum"]), bool(group["nesterov"])
+        for n in self.names:
+            p, g = params[n][:k], grads[n][:k]
+            if wd != 0.0:
+                g = g.add(p, alpha=wd)
+            if momentum != 0.0:
+                buf = bufs[n][:k]
+                buf.mul_(momentum).add_(g, alpha=1.0)
+                g = g.add(buf, alpha=momentum) if nesterov else buf
+            p.add_(g, alpha=-lr)
 
     @staticmethod
     def _ema(
