@@ -314,6 +314,14 @@ def test_a_client_count_override_is_not_lost_under_a_one_per_domain_preset(
         vpdr.with_overrides(["data.allocation=one_per_domain", "data.clients_per_domain=5"])
     with pytest.raises(ConfigError, match=r"data\.allocation='feddap'"):
         DataConfig(name="pacs", allocation="feddap", clients_per_domain=2)
+    # a data preset's allocation too, before anything is loaded or made
+    from protofl.engine.federated_data import preflight
+
+    old_style = ExperimentConfig().with_overrides(
+        ["data.preset=vpdr", "data.name=pacs", "data.clients_per_domain=2"]
+    )
+    with pytest.raises(ValueError, match=r"data\.clients_per_domain=2 .*data\.preset='vpdr'"):
+        preflight(old_style)
 
 
 # ------------------------------------------------------------------------- protofl config

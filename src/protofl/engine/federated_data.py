@@ -128,6 +128,8 @@ def preflight(config: ExperimentConfig) -> None:
     resolve_device(config.run.device)  # run.device=cuda without a GPU: one line, nothing made
     info = DATASET_REGISTRY.get(config.data.name)
     check_data_options(config.data.name, info.loader, config.data.options)
+    if config.data.allocation is None:
+        _preset_allocation(config)  # a data preset's allocation against clients_per_domain
     if config.data.root is not None and not Path(config.data.root).exists():
         raise ValueError(f"data.root={config.data.root!r} does not exist")
     backbone_class(config.backbone)
@@ -142,18 +144,25 @@ def preflight(config: ExperimentConfig) -> None:
     )
 
 
+def _preset_allocation(config: ExperimentConfig) -> Any:
+    """The data preset's allocation (None without one); refuses ``data.clients_per_domain``
+    when that allocation fixes the clients of each domain itself."""
+    spec = data_preset(config).get("allocation")
+    if spec not in (None, "equal") and config.data.clients_per_domain != 1:
+        raise ValueError(
+            f"data.clients_per_domain={config.data.clients_per_domain} has no effect under "
+            f"data.preset={config.data.preset!r}, whose allocation {spec!r} sets the clients "
+            "of each domain: set data.allocation=equal to use it"
+        )
+    return spec
+
+
 def client_counts(config: ExperimentConfig, dataset: str, domains: list[str]) -> dict[str, int]:
     """Clients per domain: ``data.allocation`` (a preset name or ``dom:count,...``), the
     preset's allocation, or ``data.clients_per_domain`` each."""
     spec: Any = config.data.allocation
     if spec is None:
-        spec = data_preset(config).get("allocation")
-        if spec not in (None, "equal") and config.data.clients_per_domain != 1:
-            raise ValueError(
-                f"data.clients_per_domain={config.data.clients_per_domain} has no effect under "
-                f"data.preset={config.data.preset!r}, whose allocation {spec!r} sets the clients "
-                "of each domain: set data.allocation=equal to use it"
-            )
+        spec = _preset_allocation(config)
     if spec is None:
         return {d: config.data.clients_per_domain for d in domains}
     from protofl.data.allocation import resolve_allocation
