@@ -14,9 +14,13 @@ $protofl run --quiet --out "$out/warmup" --set federation.rounds=1 --set run.sav
 for sweep in nopriv_methods vpdr_table1 vpdr_table7 vpdr_ablation feddap_ablation feddap_fusion \
              vpdr_sensitivity vpdr_sensitivity_r privacy_utility label_skew text_rotten \
              vpdr_table1_preset vpdr_table7_preset vpdr_ablation_preset vpdr_sensitivity_preset \
-             vpdr_sensitivity_r_preset vpp_variants_igpp vpp_variants; do
+             vpdr_sensitivity_r_preset vpp_variants_igpp vpp_variants label_skew_preset attack_preset \
+             feddap_table1_preset; do
+  # the attacks use the exact release-time models: the attack sweep keeps its checkpoints
+  keep=(--set federation.checkpoint=false)
+  [ "$sweep" = attack_preset ] && keep=()
   $protofl sweep "experiments/$sweep.yaml" --jobs "$jobs" --out "$out/$sweep" --quiet --no-table \
-    --set federation.checkpoint=false
+    "${keep[@]}"
 done
 t() { $protofl table --format md "$@"; }
 {
@@ -40,5 +44,10 @@ t() { $protofl table --format md "$@"; }
   t "$out/vpdr_sensitivity_preset" --by privacy.vpp_rho
   t "$out/vpdr_sensitivity_r_preset" --by privacy.vpp_ratio
   t "$out/vpp_variants_igpp" "$out/vpp_variants" --by mechanism,privacy.vpp_variant,epsilon
+  t "$out/label_skew_preset" --by method,data.dirichlet_alpha,mechanism
+  # under FedDAP's protocol (preset: feddap)
+  t "$out/feddap_table1_preset" --by method --metric last5
 } > "$out/tables.md"
+# the attack table under the vpdr preset (MIA on every run, FSH on seed 0 of each mechanism)
+${PYTHON:-python} experiments/attack_table.py "$out/attack_preset" --fsh-per-row 1 >> "$out/tables.md"
 echo "tables: $out/tables.md"
