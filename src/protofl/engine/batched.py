@@ -825,8 +825,10 @@ class BatchedTrainer:
 
         params = {n: group.take(store.param[n]) for n in self.names}
         exp_avg = {n: group.take(store.exp_avg[n]) for n in self.names}
-        exp_avg_sq = {n: group.take(store.exp_avg_sq[n]) for n in self.names}
-        opt_step = {n: group.take(store.step[n]) for n in self.names}
+        # SGD keeps only its momentum buffers (exp_avg); AdamW's second moments and steps stay put
+        adam = self.names if not self.sgd else []
+        exp_avg_sq = {n: group.take(store.exp_avg_sq[n]) for n in adam}
+        opt_step = {n: group.take(store.step[n]) for n in adam}
         teacher = {n: group.take(t) for n, t in store.teacher.items()}
         grads = self._grad_buffers(m)
         fixed: dict[str, torch.Tensor] = {}
@@ -909,6 +911,7 @@ class BatchedTrainer:
         for n in self.names:
             group.put(store.param[n], params[n])
             group.put(store.exp_avg[n], exp_avg[n])
+        for n in adam:
             group.put(store.exp_avg_sq[n], exp_avg_sq[n])
             group.put(store.step[n], opt_step[n])
         for n, t in teacher.items():
