@@ -189,6 +189,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"protofl: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:
+        # Ctrl-C: one line, not a traceback; the finished rounds and checkpoints are kept
+        why = str(exc) or "interrupted"
+        print(
+            f"protofl: stopped ({why}); a run's finished rounds are kept: "
+            "`protofl resume RUN_DIR` continues it",
+            file=sys.stderr,
+        )
+        return 130
     except BrokenPipeError:
         # the reader went away (`protofl sweep --dry-run | head`): stop quietly, as Unix tools do
         devnull = os.open(os.devnull, os.O_WRONLY)

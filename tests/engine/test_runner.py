@@ -153,6 +153,37 @@ def test_cli_stops_quietly_when_its_reader_goes_away(
         assert cli.main([]) == 141  # 128 + SIGPIPE, no traceback
 
 
+def test_ctrl_c_in_a_run_is_one_line_and_the_run_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On main, Ctrl-C during `protofl run` printed a traceback; now one line and exit 130,
+    and the run folder resumes to the uninterrupted numbers."""
+    from protofl.engine import simulation
+    from protofl.engine.runner import resume_experiment
+    from protofl.methods.checks import tiny_config
+
+    cfg = tiny_config("fedproto", "none", rounds=3)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(cfg.to_yaml())
+    reference = run_experiment(cfg, out=tmp_path / "ref").summary
+    original = simulation.Simulation.run_round
+
+    def interrupted(self: simulation.Simulation) -> simulation.RoundMetrics:
+        if self.round == 2:
+            raise KeyboardInterrupt
+        return original(self)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(simulation.Simulation, "run_round", interrupted)
+        assert main(["run", str(path), "--quiet", "--out", str(tmp_path / "stopped")]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("protofl: stopped (interrupted)"), err
+    assert "protofl resume RUN_DIR" in err[0]
+    (run_dir,) = (tmp_path / "stopped").iterdir()
+    resumed = resume_experiment(run_dir).summary
+    assert resumed["avg_acc"] == reference["avg_acc"]
+
+
 def test_noisy_add_remove_counts_are_accepted_and_weight_the_average(tmp_path: Path) -> None:
     from protofl.engine.federated_data import build_federated_data
     from protofl.engine.simulation import Simulation

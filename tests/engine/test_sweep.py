@@ -4,6 +4,7 @@ resumed, a failing run reported without stopping the others."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -350,3 +351,100 @@ def test_cli_select_dry_run_lists_the_validation_runs(
     out = capsys.readouterr().out
     assert "4 validation runs" in out and "choosing privacy.clip among 5.0, 10.0, 15.0, 20.0" in out
     assert out.count("to run") == 4 and "validation_fraction-0.2" in out
+
+
+# ----- a killed sweep takes its workers with it ------------------------------------------------
+def _workers_of(marker: str) -> list[int]:
+    """Live processes (forkserver and its workers) started by a sweep whose cwd is ``marker``:
+    the forkserver's command line carries the driver's sys.path, which starts with its cwd."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if "forkserver" in cmd and marker in cmd and state != "Z":
+            pids.append(int(proc.name))
+    return pids
+
+
+def _rounds_logged(sweep_dir: Path) -> list[int]:
+    return sorted(len(m.read_text().splitlines()) for m in sweep_dir.glob("*/metrics.jsonl"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_killed_sweep_leaves_no_worker_writing_runs(tmp_path: Path, sig: str) -> None:
+    """On main, killing `protofl sweep -j 2` left its forkserver workers running: they went on
+    writing rounds into the sweep folder (racing a resumed sweep).  Now the workers exit with
+    the driver (SIGKILL), and SIGTERM stops the sweep like Ctrl-C, recording the runs as
+    stopped."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    base = tiny_config("fedproto", "none", rounds=5000).to_dict()
+    base["federation"].update(local_epochs=1, checkpoint=False)
+    path = tmp_path / "sweep.yaml"
+    path.write_text(
+        yaml.safe_dump({"name": "t", "base": base, "grid": {"seed": [0, 1]}, "fuse": False})
+    )
+    sweep_dir = tmp_path / "out"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PROTOFL_HOME": str(tmp_path / "home")}
+    stderr = (tmp_path / "stderr.txt").open("wb")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "protofl.cli",
+            "sweep",
+            str(path),
+            "--out",
+            str(sweep_dir),
+            "-j",
+            "2",
+            "--quiet",
+            "--no-table",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+    )
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            logged = _rounds_logged(sweep_dir)
+            if len(logged) == 2 and min(logged) >= 2:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the sweep ended before it could be killed"
+        assert _workers_of(str(tmp_path)), "found no worker to watch: the check would be vacuous"
+        proc.send_signal(getattr(signal, sig))
+        proc.wait(timeout=60)
+        deadline = time.time() + 30
+        while _workers_of(str(tmp_path)) and time.time() < deadline:
+            time.sleep(0.1)
+        assert _workers_of(str(tmp_path)) == []
+        settled = _rounds_logged(sweep_dir)
+        time.sleep(1.0)
+        assert _rounds_logged(sweep_dir) == settled  # nothing writes into the folder any more
+        assert max(settled) < 5000
+        if sig == "SIGTERM":
+            assert proc.returncode == 130
+            assert "sweep stopped by signal SIGTERM" in (tmp_path / "stderr.txt").read_text()
+            status = read_status(sweep_dir)
+            assert status["interrupted"] is True
+            assert [r["status"] for r in status["runs"]] == ["stopped", "stopped"]
+    finally:
+        stderr.close()
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _workers_of(str(tmp_path)):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)

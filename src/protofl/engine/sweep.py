@@ -58,9 +58,11 @@ import math
 import multiprocessing
 import os
 import re
+import signal
+import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -842,6 +844,33 @@ def _init_worker() -> None:
     torch.set_num_threads(1)
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
+    _exit_with_driver()
+
+
+ORPHAN_EXIT = 75
+
+
+def _exit_with_driver() -> None:
+    """Make this worker exit as soon as the sweep process that started it is gone.
+
+    A worker forked from the forkserver is not the driver's child: when the driver is killed
+    (``kill -9``, the OOM killer, a closed terminal) nothing stops the worker, which would go on
+    writing rounds and checkpoints into the sweep folder, racing a resumed sweep.  The parent's
+    sentinel (a pipe the driver holds) becomes readable when the driver dies; a daemon thread
+    waits on it and ends the process.  The run resumes from its last checkpoint next time,
+    exactly as after a kill of the whole process group.
+    """
+    import threading
+
+    parent = multiprocessing.parent_process()
+    if parent is None:  # not a multiprocessing child (the inline driver)
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(ORPHAN_EXIT)
+
+    threading.Thread(target=watch, name="protofl-orphan-watch", daemon=True).start()
 
 
 def execute_point(run_dir: str, config_yaml: str, home: str | None) -> dict[str, Any]:
@@ -1091,7 +1120,7 @@ def _run_sweep(
 
     display = _Display(plan, runs, total_rounds, enabled=progress)
     try:
-        with display:
+        with display, _terminate_as_interrupt():
             if warm_cache and jobs > 1 and len(todo) > 1:
                 _warm_feature_cache(todo, home, display)
             _drive(plan, todo, runs, sweep_dir, jobs, home, display, on_update, fuse)
@@ -1104,6 +1133,28 @@ def _run_sweep(
     wall = time.perf_counter() - t0
     _write_status(sweep_dir, plan, runs, jobs=jobs, wall_s=wall)
     return SweepResult(sweep_dir=sweep_dir, runs=runs, wall_s=wall)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """While a sweep runs, SIGTERM and SIGHUP (``kill``, a closed terminal, a batch scheduler's
+    stop) act like Ctrl-C: the workers are stopped and sweep.json records the runs as stopped,
+    instead of the driver dying and leaving both undone.  Only in the main thread (Python
+    delivers signals there); the previous handlers come back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    wanted = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    previous = {sig: signal.signal(sig, interrupt) for sig in wanted}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def fusion_groups(todo: Sequence[SweepPoint], fuse: bool = True) -> list[list[SweepPoint]]:

@@ -112,9 +112,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             )
             print(format_sweep_result(result))
             failed = bool(result.failed)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        by = f" by {exc}" if str(exc) else ""
         print(
-            f"protofl: sweep stopped; run the same command again to resume ({sweep_dir})",
+            f"protofl: sweep stopped{by}; run the same command again to resume ({sweep_dir})",
             file=sys.stderr,
         )
         return 130
