@@ -172,6 +172,10 @@ class FederationConfig:
     weight_decay: float = 1e-5
     optimizer: str = "adamw"  # adamw | sgd (protofl.engine.optimizers)
     momentum: float = 0.9  # SGD's momentum; AdamW's beta1
+    # clip each local step's gradient to this global L2 norm over the client's trainable
+    # parameters (torch's clip_grad_norm_); 0: off (every paper's protocol).  A named deviation
+    # for losses that diverge on frozen features under SGD (docs/methods.md)
+    grad_clip_norm: float = 0.0
     participation: float = 1.0
     dropout: float = 0.0
     checkpoint: bool = True
@@ -198,6 +202,7 @@ class FederationConfig:
         check_range("federation.weight_decay", self.weight_decay, low=0.0)
         check_choice("federation.optimizer", self.optimizer, OPTIMIZERS)
         check_range("federation.momentum", self.momentum, low=0.0, high=1.0, high_open=True)
+        check_range("federation.grad_clip_norm", self.grad_clip_norm, low=0.0)
         check_range(
             "federation.participation", self.participation, low=0.0, high=1.0, low_open=True
         )

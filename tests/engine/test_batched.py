@@ -113,6 +113,14 @@ CASES = {
         "federation.momentum": "0",
         "federation.lr": "0.05",
     },
+    # federation.grad_clip_norm, tight enough to clip every step, under both optimisers
+    "fedavg-sgd-clipped": {
+        "method.name": "fedavg",
+        "federation.optimizer": "sgd",
+        "federation.lr": "0.05",
+        "federation.grad_clip_norm": "0.05",
+    },
+    "fedproto-vpdr-clipped": {"privacy.mechanism": "vpdr", "federation.grad_clip_norm": "0.05"},
     "fedtgp-igpp": {
         "method.name": "fedtgp",
         "method.params.budget": "reference",
@@ -134,6 +142,48 @@ def test_batched_matches_sequential(case: str) -> None:
     assert _max_diff(seq, bat) < ATOL
     sizes = [c.data.num_train for c in seq.clients]
     assert len(set(sizes)) > 3  # unequal clients: some are masked on padded steps
+
+
+@pytest.mark.parametrize("execution", ["sequential", "batched"])
+def test_grad_clip_norm_bounds_every_local_step(execution: str) -> None:
+    """federation.grad_clip_norm: with plain SGD (no momentum, no weight decay) a step moves a
+    client's trainable parameters by lr * min(|g|, clip), so a round of s steps moves them by at
+    most s * lr * clip; unclipped, the same round moves them further."""
+    over = {
+        "federation.optimizer": "sgd",
+        "federation.momentum": "0",
+        "federation.weight_decay": "0",
+        "federation.lr": "0.05",
+        "federation.rounds": "1",
+        "federation.execution": execution,
+        "method.name": "local",
+    }
+    moved = {}
+    for clip in ("0", "0.01"):
+        cfg = _config(**over, **{"federation.grad_clip_norm": clip})
+        sim = Simulation(cfg, _data(cfg))
+        before = [
+            torch.cat(
+                [p.detach().flatten().clone() for p in c.model.parameters() if p.requires_grad]
+            )
+            for c in sim.clients
+        ]
+        sim.run()
+        moved[clip] = [
+            float(
+                (
+                    torch.cat(
+                        [p.detach().flatten() for p in c.model.parameters() if p.requires_grad]
+                    )
+                    - b
+                ).norm()
+            )
+            for c, b in zip(sim.clients, before)
+        ]
+        steps = [2 * math.ceil(c.data.num_train / 16) for c in sim.clients]  # 2 epochs, batch 16
+    for d, s in zip(moved["0.01"], steps):
+        assert d <= s * 0.05 * 0.01 * (1 + 1e-4)
+    assert all(a > 2 * b for a, b in zip(moved["0"], moved["0.01"]))
 
 
 def test_reference_optimizer_and_dcr_warmup() -> None:

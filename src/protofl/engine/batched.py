@@ -590,6 +590,7 @@ class BatchedTrainer:
         self.train_proj = bool(first.proj.weight.requires_grad)
         # federation.optimizer: sgd keeps its momentum buffers in the exp_avg rows
         self.sgd = _optimizer_kind(sim.clients[0].optimizer) == "sgd"
+        self.clip = float(sim.config.federation.grad_clip_norm)
         self.names = [n for n, p in first.named_parameters() if p.requires_grad]
         self.shapes = {n: tuple(p.shape) for n, p in first.named_parameters()}
         self.shared_proj = self.shared_projection(sim.clients)
@@ -897,6 +898,8 @@ class BatchedTrainer:
             with torch.no_grad():
                 for n, g_n in param_grads.items():  # the parameter terms' gradients
                     grads[n][:k].add_(g_n)
+                if self.clip > 0:
+                    self._clip(grads, k)
                 if self.sgd:
                     self._sgd(params, grads, exp_avg, k)
                 else:
@@ -1018,6 +1021,15 @@ class BatchedTrainer:
             adamw_reference(
                 ps, gs, ms, vs, ss, lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps
             )
+
+    def _clip(self, grads: dict[str, torch.Tensor], k: int) -> None:
+        """torch.nn.utils.clip_grad_norm_ per client (rows 0..k-1): each client's gradient
+        scaled by min(1, max_norm / (its global L2 norm + 1e-6))."""
+        sq = sum(grads[n][:k].flatten(1).float().pow(2).sum(1) for n in self.names)
+        coef = (self.clip / (torch.as_tensor(sq).sqrt() + 1e-6)).clamp(max=1.0)
+        for n in self.names:
+            g = grads[n][:k]
+            g.mul_(coef.view(-1, *([1] * (g.dim() - 1))).to(g.dtype))
 
     def _sgd(
         self,

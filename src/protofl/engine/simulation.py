@@ -418,6 +418,8 @@ class Simulation:
                     )
                 c.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
+                if fed.grad_clip_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(c.model.parameters(), fed.grad_clip_norm)
                 c.optimizer.step()
                 if c.dcr is not None:
                     c.dcr.after_step(c.model.head)
