@@ -15,7 +15,8 @@ for sweep in nopriv_methods vpdr_table1 vpdr_table7 vpdr_ablation feddap_ablatio
              vpdr_sensitivity vpdr_sensitivity_r privacy_utility label_skew text_rotten \
              vpdr_table1_preset vpdr_table7_preset vpdr_ablation_preset vpdr_sensitivity_preset \
              vpdr_sensitivity_r_preset vpp_variants_igpp vpp_variants label_skew_preset attack_preset \
-             feddap_table1_preset feddap_table1_stabilised feddap_table1_fedrdn_scalar; do
+             feddap_table1_preset feddap_table1_stabilised feddap_table1_fedrdn_scalar \
+             feddap_ablation_preset feddap_moon_select; do
   # the attacks use the exact release-time models: the attack sweep keeps its checkpoints
   keep=(--set federation.checkpoint=false)
   [ "$sweep" = attack_preset ] && keep=()
@@ -48,6 +49,8 @@ t() { $protofl table --format md "$@"; }
   # under FedDAP's protocol (preset: feddap)
   t "$out/feddap_table1_preset" --by method --metric last5
   t "$out/feddap_table1_stabilised" "$out/feddap_table1_fedrdn_scalar" --by method --metric last5
+  t "$out/feddap_ablation_preset" "$out/feddap_table1_preset" --where method=feddap \
+    --by method.params --metric last5
 } > "$out/tables.md"
 # the attack table under the vpdr preset (MIA on every run, FSH on seed 0 of each mechanism)
 ${PYTHON:-python} experiments/attack_table.py "$out/attack_preset" --fsh-per-row 1 >> "$out/tables.md"
