@@ -26,6 +26,8 @@ the engine trains.  Sections:
   rounds' time over the in-memory run's);
 * ``m10000``: 10,000 clients, 10% participation, 20 rounds, client state on disk
   (``bench_m1000.py --scale m10000``): wall time, peak RSS, the store's size on disk, accuracy.
+* ``fused``: a fused sweep of 3 seeds x 2 mechanisms against its 6 runs one by one and against
+  one run (``bench_fused.py``, in its own process; ``fused_over_one_run``, target within 2x).
 
 Usage: python benchmarks/bench_suite.py [--out benchmarks/results.json] [--quick]
 """
@@ -416,6 +418,14 @@ def m1000(rounds: int, scale: str = "m1000", *overrides: str) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def fused(rounds: int, repeat: int) -> dict[str, Any]:
+    """bench_fused.py's fused sweep against separate runs, in its own process (its own workers)."""
+    cmd = [sys.executable, str(HERE / "bench_fused.py"), "--rounds", str(rounds)]
+    cmd += ["--repeat", str(repeat), "--jobs", str(min(2, os.cpu_count() or 1))]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 # --------------------------------------------------------------------------------------------
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -465,6 +475,9 @@ def main() -> None:
         "m1000 disk", lambda: m1000(rounds, "m1000", "run.client_state=disk")
     )
     results["m10000"] = step("m10000", lambda: m1000(rounds, "m10000"))
+    results["fused"] = step(
+        "fused sweep", lambda: fused(3 if args.quick else 5, 1 if args.quick else 2)
+    )
     results["machine"]["load_average_end"] = list(os.getloadavg())
     results["suite_wall_s"] = time.perf_counter() - t0
     results.update(
@@ -492,6 +505,9 @@ def main() -> None:
             "m10000_wall_s": results["m10000"]["wall_s"],
             "m10000_peak_rss_gb": results["m10000"]["peak_rss_gb"],
             "m10000_avg_acc": results["m10000"]["avg_acc"],
+            # a fused 3 seeds x 2 mechanisms sweep over one run's wall time (target: 2x)
+            "fused_over_one_run": results["fused"]["fused_over_one_run"],
+            "separate_over_one_run": results["fused"]["separate_over_one_run"],
         }
     )
     print_table(results)
@@ -585,6 +601,12 @@ def print_table(r: dict[str, Any]) -> None:
         f"{x['wall_s']:.0f} s (data {x['data_s']:.0f} s, build {x['build_s']:.0f} s, rounds "
         f"{x['rounds_s']:.0f} s), peak RSS {x['peak_rss_gb']:.2f} GB, store "
         f"{x['state_on_disk_gb']:.1f} GB on disk, avg acc {x['avg_acc']:.3f}"
+    )
+    f = r["fused"]
+    print(
+        f"\nsweep of 3 seeds x 2 mechanisms, {f['jobs']} jobs: one run {f['one_run_s']} s, "
+        f"6 runs separately {f['separate_s']:.1f} s (x{f['separate_over_one_run']:.2f} one run), "
+        f"fused {f['fused_s']:.1f} s (x{f['fused_over_one_run']:.2f})"
     )
     print(
         f"batched training over its floor: M=100 {r['batched_over_floor_m100']:.2f}x, "

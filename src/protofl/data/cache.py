@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +26,36 @@ def protofl_home() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "protofl"
 
 
+_DIGESTS: dict[tuple[str, int, int, int, int], str] = {}
+"""sha256_file's per-process memo: (path, inode, size, mtime_ns, ctime_ns) -> digest."""
+
+SETTLED_NS = 2_000_000_000
+"""A file's digest is remembered only once its mtime and ctime are this much in the past."""
+
+
 def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes."""
+    """Hex sha256 of a file's bytes.
+
+    Remembered per process for a file whose inode, size, mtime and ctime are unchanged, so the
+    runs of a fused group (or a sweep worker's successive runs) verify the same data set files
+    once, not once each.  Any write changes the ctime (which no tool can set back) and a
+    replacement changes the inode; a file modified within the file system's timestamp
+    granularity of its hashing could keep both, so, as git does for its racy index entries, a
+    digest is only remembered for a file untouched for ``SETTLED_NS``.
+    """
+    st = os.stat(path)
+    key = (str(Path(path).resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key in _DIGESTS:
+        return _DIGESTS[key]
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
-    return h.hexdigest()
+    digest = h.hexdigest()
+    now = time.time_ns()
+    if now - max(st.st_mtime_ns, st.st_ctime_ns) > SETTLED_NS:
+        _DIGESTS[key] = digest
+    return digest
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
