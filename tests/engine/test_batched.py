@@ -22,6 +22,7 @@ from protofl.engine.simulation import Simulation
 from protofl.privacy import create_mechanism
 from protofl.privacy.config import PrivacyConfig
 from protofl.privacy.mechanisms import release_many
+from tests.engine.helpers import stop_in_round
 
 # parameters after 3 rounds: batched and per-client products sum in different orders, so the
 # two modes agree to float rounding, not bitwise
@@ -523,20 +524,12 @@ def test_disk_client_state_needs_the_batched_executor() -> None:
 def test_an_offloaded_run_stopped_mid_way_resumes_to_the_same_numbers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from protofl.engine import simulation
     from protofl.engine.runner import resume_experiment, run_experiment
 
     cfg = _offload_config("disk", "run.save_releases=false")
     full = run_experiment(cfg, out=tmp_path / "full", data=_data(cfg))
-    original = simulation.Simulation.run_round
-
-    def interrupted(self: simulation.Simulation) -> simulation.RoundMetrics:
-        if self.round == 2:
-            raise KeyboardInterrupt
-        return original(self)
-
     with monkeypatch.context() as patch:
-        patch.setattr(simulation.Simulation, "run_round", interrupted)
+        stop_in_round(patch, 3)
         with pytest.raises(KeyboardInterrupt):
             run_experiment(cfg, out=tmp_path / "stopped", data=_data(cfg))
     run_dir = next((tmp_path / "stopped").iterdir())

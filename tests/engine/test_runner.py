@@ -9,6 +9,7 @@ import torch
 from protofl.cli import main
 from protofl.config import ExperimentConfig
 from protofl.engine.runner import run_experiment
+from tests.engine.helpers import stop_in_round
 
 
 def _toy(rounds: int = 2, **extra: str) -> ExperimentConfig:
@@ -158,7 +159,6 @@ def test_ctrl_c_in_a_run_is_one_line_and_the_run_resumes(
 ) -> None:
     """On main, Ctrl-C during `protofl run` printed a traceback; now one line and exit 130,
     and the run folder resumes to the uninterrupted numbers."""
-    from protofl.engine import simulation
     from protofl.engine.runner import resume_experiment
     from protofl.methods.checks import tiny_config
 
@@ -166,15 +166,8 @@ def test_ctrl_c_in_a_run_is_one_line_and_the_run_resumes(
     path = tmp_path / "cfg.yaml"
     path.write_text(cfg.to_yaml())
     reference = run_experiment(cfg, out=tmp_path / "ref").summary
-    original = simulation.Simulation.run_round
-
-    def interrupted(self: simulation.Simulation) -> simulation.RoundMetrics:
-        if self.round == 2:
-            raise KeyboardInterrupt
-        return original(self)
-
     with monkeypatch.context() as patch:
-        patch.setattr(simulation.Simulation, "run_round", interrupted)
+        stop_in_round(patch, 3)
         assert main(["run", str(path), "--quiet", "--out", str(tmp_path / "stopped")]) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("protofl: stopped (interrupted)"), err
