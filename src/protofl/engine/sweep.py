@@ -860,8 +860,6 @@ def _exit_with_driver() -> None:
     waits on it and ends the process.  The run resumes from its last checkpoint next time,
     exactly as after a kill of the whole process group.
     """
-    import threading
-
     parent = multiprocessing.parent_process()
     if parent is None:  # not a multiprocessing child (the inline driver)
         return
