@@ -145,6 +145,11 @@ def test_batched_matches_sequential(case: str) -> None:
     assert len(set(sizes)) > 3  # unequal clients: some are masked on padded steps
 
 
+def _trainable(model: torch.nn.Module) -> torch.Tensor:
+    """A copy of the model's trainable parameters, flattened into one vector."""
+    return torch.cat([p.detach().flatten() for p in model.parameters() if p.requires_grad])
+
+
 @pytest.mark.parametrize("execution", ["sequential", "batched"])
 def test_grad_clip_norm_bounds_every_local_step(execution: str) -> None:
     """federation.grad_clip_norm: with plain SGD (no momentum, no weight decay) a step moves a
@@ -163,24 +168,9 @@ def test_grad_clip_norm_bounds_every_local_step(execution: str) -> None:
     for clip in ("0", "0.01"):
         cfg = _config(**over, **{"federation.grad_clip_norm": clip})
         sim = Simulation(cfg, _data(cfg))
-        before = [
-            torch.cat(
-                [p.detach().flatten().clone() for p in c.model.parameters() if p.requires_grad]
-            )
-            for c in sim.clients
-        ]
+        before = [_trainable(c.model) for c in sim.clients]
         sim.run()
-        moved[clip] = [
-            float(
-                (
-                    torch.cat(
-                        [p.detach().flatten() for p in c.model.parameters() if p.requires_grad]
-                    )
-                    - b
-                ).norm()
-            )
-            for c, b in zip(sim.clients, before)
-        ]
+        moved[clip] = [float((_trainable(c.model) - b).norm()) for c, b in zip(sim.clients, before)]
         steps = [2 * math.ceil(c.data.num_train / 16) for c in sim.clients]  # 2 epochs, batch 16
     for d, s in zip(moved["0.01"], steps):
         assert d <= s * 0.05 * 0.01 * (1 + 1e-4)
