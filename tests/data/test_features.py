@@ -41,7 +41,9 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_features() -> None:
     images = _images(10)
     tight = _Tight(8)
     out = encode_on_device(tight, images, torch.device("cpu"), 8)
-    torch.testing.assert_close(out, PixelProjection(8).encode(images), atol=0, rtol=0)
+    # the same features to float rounding: a matrix product over fewer rows may take another
+    # BLAS kernel (bitwise equal on some processors, not on others)
+    torch.testing.assert_close(out, PixelProjection(8).encode(images), atol=1e-6, rtol=1e-5)
     assert tight.batches[:3] == [8, 4, 2]  # 8 fails, 4 fails, 2 fits, then stays at 2
     assert max(b for b in tight.batches[2:]) <= 3
 
@@ -89,7 +91,7 @@ def test_the_cache_file_does_not_depend_on_the_device_setting(
     again = cached_features(
         tmp_path, bb, "toy", "red", "train", images, device="auto", use_cache=False
     )
-    torch.testing.assert_close(again, first, atol=0, rtol=0)
+    torch.testing.assert_close(again, first, atol=1e-6, rtol=1e-5)  # chunks: float rounding
     read = cached_features(tmp_path, bb, "toy", "red", "train", images, device="auto")
     assert sorted(tmp_path.rglob("*.npy")) == files  # the same file, read back
     torch.testing.assert_close(read, first, atol=0, rtol=0)
