@@ -19,6 +19,8 @@ from protofl.data.partition import PartitionError
 from protofl.engine.batched import BatchedTrainer, FrozenParameterPool
 from protofl.engine.federated_data import FederatedData, build_federated_data
 from protofl.engine.simulation import Simulation
+from protofl.methods.base import Batch, ClientState, GlobalState
+from protofl.methods.baselines import FedAvg
 from protofl.privacy import create_mechanism
 from protofl.privacy.config import PrivacyConfig
 from protofl.privacy.mechanisms import release_many
@@ -70,17 +72,24 @@ def _max_diff(a: Simulation, b: Simulation) -> float:
         for p, q in zip(ca.model.state_dict().values(), cb.model.state_dict().values()):
             worst = max(worst, float((p - q).abs().max()))
         sa, sb = ca.optimizer.state_dict()["state"], cb.optimizer.state_dict()["state"]
-        assert sa.keys() == sb.keys()
-        for key in sa:
-            assert sa[key].keys() == sb[key].keys()
-            for name in sa[key]:  # AdamW's moments and step, or SGD's momentum buffer
-                diff = (sa[key][name].float() - sb[key][name].float()).abs().max()
+        for key in sa.keys() | sb.keys():
+            # a parameter that never had a gradient has no state in torch's optimizer; the
+            # batched store holds it as torch would create it (zero moments, step 0)
+            a, b = sa.get(key) or _fresh(sb[key]), sb.get(key) or _fresh(sa[key])
+            assert a.keys() == b.keys()
+            for name in a:  # AdamW's moments and step, or SGD's momentum buffer
+                diff = (a[name].float() - b[name].float()).abs().max()
                 worst = max(worst, float(diff))
         if ca.dcr is not None:
             assert ca.dcr.steps == cb.dcr.steps
             for p, q in zip(ca.dcr.teacher.parameters(), cb.dcr.teacher.parameters()):
                 worst = max(worst, float((p - q).abs().max()))
     return worst
+
+
+def _fresh(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The optimizer state of a parameter that never stepped: zeros shaped like ``state``."""
+    return {k: torch.zeros_like(v) for k, v in state.items()}
 
 
 CASES = {
@@ -127,6 +136,74 @@ CASES = {
         "method.params.budget": "reference",
         "method.params.server_epochs": "5",
         "privacy.mechanism": "igpp",
+    },
+    # the methods whose objectives need more than f and the logits (issue 19: every method
+    # batches): cluster prototypes and cosine evaluation, per-client prototype tables and
+    # a head without cross-entropy, reference models, a server teacher, frozen heads and an
+    # input transform
+    "fpl-prototype-eval": {
+        "method.name": "fpl",
+        "method.params.temperature": "0.5",
+        "method.params.eval": "prototype",
+        "privacy.mechanism": "igpp",
+    },
+    "fedplvm-igpp": {
+        "method.name": "fedplvm",
+        "method.params.eval": "prototype",
+        "privacy.mechanism": "igpp",
+    },
+    # alpha = 0.25 makes |s|^alpha's gradient ~1e4 near s = 0, which grows float-rounding
+    # differences past the tolerance within three rounds (like FedDAP's tau 0.02 below);
+    # alpha = 1 checks the same code paths
+    "fedplvm-vpdr-supcon": {
+        "method.name": "fedplvm",
+        "method.params.contrast": "supcon",
+        "method.params.correction": "abs_sum",
+        "method.params.alpha": "1.0",
+        "method.params.eval": "prototype",
+        "privacy.mechanism": "vpdr",
+    },
+    "fedplvm-shared-weights": {
+        "method.name": "fedplvm",
+        "method.params.share_weights": "true",
+        "federation.optimizer": "sgd",
+        "federation.lr": "0.01",
+    },
+    "fedpcl-no-ce": {"method.name": "fedpcl", "privacy.mechanism": "igpp"},
+    "fedpcl-no-ce-sgd": {
+        "method.name": "fedpcl",
+        "federation.optimizer": "sgd",
+        "federation.lr": "0.05",
+        "federation.grad_clip_norm": "0.5",
+    },
+    "fedpcl-ce-vpdr": {
+        "method.name": "fedpcl",
+        "method.params.ce_weight": "0.5",
+        "method.params.tau": "0.5",
+        "method.params.eval": "classifier",
+        "privacy.mechanism": "vpdr",
+    },
+    "moon": {"method.name": "moon", "method.params.mu": "1.0"},
+    "mpft": {"method.name": "mpft", "method.params.server_epochs": "2"},
+    "mpft-feature-source-frozen-proj": {
+        "method.name": "mpft",
+        "method.params.server_epochs": "2",
+        "method.params.prototype_source": "feature",
+        "method.params.teacher": "head",
+        "backbone.train_projection": "false",
+    },
+    "copa": {"method.name": "copa"},
+    "copa-own-mlp": {"method.name": "copa", "method.params.eval": "own", "backbone.head": "mlp"},
+    "fedrdn": {"method.name": "fedrdn", "method.params.include_self": "false"},
+    "fedrdn-federation-stats": {
+        "method.name": "fedrdn",
+        "method.params.eval_stats": "federation",
+        "method.params.statistics": "scalar",
+    },
+    "feddap-prototype-eval": {
+        "method.name": "feddap",
+        "method.params.tau_cross": "1.0",
+        "method.params.eval": "prototype",
     },
 }
 
@@ -256,11 +333,39 @@ def test_checkpoint_resume_in_batched_mode(optimizer: str) -> None:
     assert size < 2 * own + 2**20
 
 
+class _OwnLoss(FedAvg):
+    """A method whose objective only its ``client_loss`` knows (no declaration)."""
+
+    name = "own-loss"
+
+    def client_loss(
+        self, batch: Batch, global_state: GlobalState, state: ClientState
+    ) -> torch.Tensor:
+        return 2.0 * torch.nn.functional.cross_entropy(batch.logits, batch.y)
+
+
+def test_every_registered_method_batches() -> None:
+    """Issue 19: every method declares its objective and evaluation rule."""
+    from protofl.methods import METHOD_REGISTRY, create_method
+
+    for name in METHOD_REGISTRY.names():
+        for params in ({}, {"eval": "prototype"}):
+            try:
+                m = create_method(name, params, num_classes=4, num_domains=2, proto_dim=8)
+            except ValueError:  # no such evaluation mode
+                continue
+            assert m.batchable, f"{name} {params} does not batch"
+
+
 def test_unsupported_method_falls_back(caplog: pytest.LogCaptureFixture) -> None:
-    seq, bat = _pair(**{"method.name": "moon", "federation.rounds": "2"})
+    seq, bat = _pair(**{"method.name": "fedavg", "federation.rounds": "2"})
+    for sim in (seq, bat):
+        sim.method = _OwnLoss(
+            {}, num_classes=sim.data.num_classes, num_domains=4, proto_dim=32, seed=0
+        )
     with caplog.at_level(logging.INFO, logger="protofl.engine.batched"):
         hb = bat.run()
-    assert "method moon cannot batch; falling back to sequential" in caplog.text
+    assert "method own-loss cannot batch; falling back to sequential" in caplog.text
     assert not bat.batched.supported
     assert [h.client_acc for h in seq.run()] == [h.client_acc for h in hb]
 
@@ -506,7 +611,7 @@ def test_a_memory_budget_below_one_client_is_refused_naming_the_setting() -> Non
 def test_disk_client_state_needs_the_batched_executor() -> None:
     with pytest.raises(ConfigError, match=r"run\.client_state=disk .* federation\.execution"):
         _config(**{"run.client_state": "disk"})
-    cfg = _offload_config("disk", "method.name=fpl")
+    cfg = _offload_config("disk", "run.amp=bf16")  # bf16 autocast does not batch
     with pytest.raises(ValueError, match=r"run\.client_state=disk needs a run the batched"):
         Simulation(cfg, _data(cfg))
 

@@ -82,6 +82,16 @@ def _assert_same_runs(a: Path, b: Path, dirs: list[str]) -> None:
     [
         ("fedproto", {"seed": [0, 1], "privacy.mechanism": ["igpp", "vpdr"]}),
         ("fedprox", {"seed": [0, 1, 2], "privacy.epsilon": [4.0, 8.0]}),
+        # each run's own cluster prototypes (training and the cosine evaluation rule)
+        ("fpl", {"seed": [0, 1]}),
+        # no cross-entropy (a head without gradient), local prototypes fitted after training
+        ("fedpcl", {"seed": [0, 1], "privacy.epsilon": [4.0, 8.0]}),
+        # the run's own client ids (which heads are the others')
+        ("copa", {"seed": [0, 1]}),
+        # each run's own statistics bank and draw counters (an input transform)
+        ("fedrdn", {"seed": [0, 1]}),
+        # reference models (the model view of the fused rows)
+        ("moon", {"seed": [0, 1]}),
     ],
 )
 def test_fused_sweep_gives_what_each_run_gives_alone(
@@ -131,15 +141,17 @@ def test_grouping_keys_seed_and_privacy_only() -> None:
 def test_incompatible_runs_fall_back_one_by_one_naming_why(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # fpl clusters prototypes in its own client loss: it cannot batch, so it cannot fuse
-    plan = _plan({"seed": [0, 1]}, _base("fpl", rounds=2))
+    # bf16 autocast does not batch (the batched layers write float32 gradients), so it cannot
+    # fuse
+    plan = _plan({"seed": [0, 1]}, _base("fpl", rounds=2, **{"run.amp": "bf16"}))
     with caplog.at_level("WARNING"):
         result = run_sweep(plan, sweep_dir=tmp_path / "s", jobs=1, progress=False)
     assert [r.status for r in result.runs] == ["done", "done"]
-    assert all(r.note == "not fused: method fpl cannot batch" for r in result.runs)
+    why = "not fused: run.amp=bf16 is not batched"
+    assert all(r.note == why for r in result.runs)
     assert all(r.fused is None for r in result.runs)
-    assert "not fused: method fpl cannot batch" in (tmp_path / "s" / LOG_FILE).read_text()
-    assert "method fpl cannot batch" in caplog.text
+    assert why in (tmp_path / "s" / LOG_FILE).read_text()
+    assert "run.amp=bf16 is not batched" in caplog.text
     assert read_status(tmp_path / "s")["runs"][0]["note"].startswith("not fused")
 
     # simulations that differ where fusing cannot stack them: the reason names what differs

@@ -47,10 +47,14 @@ def _release(protos: list[list[float]], classes: list[int], counts: list[int]) -
 
 
 class Identity:
-    """A stand-in model whose feature is its input (``predict`` only calls ``features``)."""
+    """A stand-in model whose feature is its input and whose head's logits are zero (no class
+    preferred): prototype rules decide alone."""
 
     def features(self, z: torch.Tensor) -> torch.Tensor:
         return z
+
+    def __call__(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return z, torch.zeros(len(z), 1)
 
 
 IDENTITY: Any = Identity()

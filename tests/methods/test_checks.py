@@ -20,12 +20,17 @@ from protofl.methods.fpl import FPL
 from protofl.privacy.base import MECHANISM_REGISTRY
 
 FAST = {"fedtgp": {"server_epochs": 20}}  # fewer server epochs than the default, for speed
+# the toy set's pixel features have constant dimensions whose standard deviation sits at
+# FedRDN's floor (docs/methods.md, FedRDN): normalised with another client's per-dimension
+# statistics they are ~1e5 too large, and with DCR's soft clip on the normalised forward pass
+# (the model's input) three rounds do not bring the loss down; scalar statistics do
+PARAMS = {("fedrdn", "vpdr"): {"statistics": "scalar"}}
 
 
 @pytest.mark.parametrize("mechanism", MECHANISM_REGISTRY.names())
 @pytest.mark.parametrize("name", METHOD_REGISTRY.names())
 def test_every_registered_method_passes_with_every_mechanism(name: str, mechanism: str) -> None:
-    report = check_method(name, mechanism, FAST.get(name))
+    report = check_method(name, mechanism, PARAMS.get((name, mechanism), FAST.get(name)))
     assert report.losses[-1] < report.losses[0]
 
 

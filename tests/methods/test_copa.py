@@ -14,7 +14,7 @@ from torch import nn
 from protofl.engine.round import combine_weights
 from protofl.methods import create_method
 from protofl.methods.base import Batch, ClientState, Upload
-from protofl.methods.copa import CLIENTS, ENSEMBLE, ensemble_probs, other_heads
+from protofl.methods.copa import CLIENTS, ENSEMBLE, ensemble_probs, stacked_heads
 from tests.methods.helpers import LOG1P_E2
 
 
@@ -61,15 +61,14 @@ def test_server_stacks_every_clients_latest_head() -> None:
     gs = broadcast({1: torch.eye(2), 0: 2 * torch.eye(2)})
     assert gs[CLIENTS].tolist() == [0, 1]
     assert torch.equal(gs[ENSEMBLE + "head.weight"], torch.stack([2 * torch.eye(2), torch.eye(2)]))
-    others = other_heads(gs, 0)
-    assert len(others) == 1 and torch.equal(others[0]["weight"], torch.eye(2))
+    heads = stacked_heads(gs)
+    assert set(heads) == {"weight"} and torch.equal(heads["weight"][1], torch.eye(2))
 
 
 def test_ensemble_is_the_mean_softmax_by_hand() -> None:
-    head = nn.Linear(2, 2, bias=False)
     f = torch.tensor([[1.0, 0.0]])
     # own logits (0, 0) -> (1/2, 1/2); the other head is the identity -> softmax(1, 0)
-    p = ensemble_probs(head, f, torch.zeros(1, 2), [{"weight": torch.eye(2)}])
+    p = ensemble_probs(f, torch.zeros(1, 2), {"weight": torch.eye(2).unsqueeze(0)})
     e = math.e / (math.e + 1)
     assert p[0].tolist() == pytest.approx([(0.5 + e) / 2, (0.5 + 1 - e) / 2])
 

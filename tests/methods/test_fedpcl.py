@@ -77,22 +77,14 @@ def test_fedpcl_evaluates_by_nearest_local_unnoised_prototype() -> None:
     # no local prototypes yet: nearest global prototype
     assert m.predict(IDENTITY, z, g, state).tolist() == [0, 0]
     # the client's own class means: class 0 at [1, 0], class 1 at [1, 1] -> sample 1 is class 1
-    m.begin_local(IDENTITY, state, g, 0)
-    m.client_loss(_batch([[1.0, 0.0], [1.0, 1.0]], [0, 1], 2), g, state)
-    m.client_loss(_batch([[1.0, 0.0]], [0], 2), g, state)
-    m.end_local(IDENTITY, state, g, 0)
+    m.after_training(
+        state, torch.tensor([[1.0, 0.0], [1.0, 1.0], [1.0, 0.0]]), torch.tensor([0, 1, 0])
+    )
     assert torch.allclose(state.tensors["local_prototypes"], torch.tensor([[1.0, 0.0], [1.0, 1.0]]))
     assert state.tensors["local_classes"].tolist() == [0, 1]
     assert m.predict(IDENTITY, z, g, state).tolist() == [0, 1]
-    # explicit training data (the hook the engine may pass) take precedence
-    m.end_local(
-        IDENTITY,
-        state,
-        g,
-        0,
-        train_z=torch.tensor([[0.0, 1.0], [1.0, 0.0]]),
-        train_y=torch.tensor([0, 1]),
-    )
+    # refitted after the next round's training
+    m.after_training(state, torch.tensor([[0.0, 1.0], [1.0, 0.0]]), torch.tensor([0, 1]))
     assert m.predict(IDENTITY, z, g, state).tolist() == [1, 1]
 
 

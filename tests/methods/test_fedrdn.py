@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from protofl.methods import create_method
-from protofl.methods.base import Batch, ClientState, Upload
-from protofl.methods.fedrdn import CLIENTS, MEAN, STD, input_statistics, normalise
+from protofl.methods.base import ClientState, Upload
+from protofl.methods.fedrdn import CLIENTS, MEAN, STD, draw, input_statistics, normalise
+from protofl.methods.objectives import Group
 
 
 def fedrdn(params: dict | None = None, seed: int = 0):
@@ -68,29 +69,45 @@ def test_statistics_travel_through_the_server() -> None:
 def test_draws_cover_the_federation_and_repeat_under_a_seed() -> None:
     m = fedrdn()
     gs = m.aggregate(BANK, 0)
-    mu, _ = m.draw(gs, 0, 200, step=0)
+    mu, _ = draw(gs, 0, True, 0, 200, step=0)
     rows = {tuple(r) for r in mu.tolist()}
     assert rows == {(0.0, 0.0), (2.0, 4.0)}  # include_self: the client's own pair too
-    assert torch.equal(mu, m.draw(gs, 0, 200, step=0)[0])
-    assert not torch.equal(mu, m.draw(gs, 0, 200, step=1)[0])
-    assert not torch.equal(mu, fedrdn(seed=1).draw(gs, 0, 200, step=0)[0])
-    other = fedrdn({"include_self": False})
-    mu, sd = other.draw(gs, 0, 50, step=0)
+    assert torch.equal(mu, draw(gs, 0, True, 0, 200, step=0)[0])
+    assert not torch.equal(mu, draw(gs, 0, True, 0, 200, step=1)[0])
+    assert not torch.equal(mu, draw(gs, 1, True, 0, 200, step=0)[0])
+    mu, sd = draw(gs, 0, False, 0, 50, step=0)
     assert {tuple(r) for r in mu.tolist()} == {(2.0, 4.0)} and sd[0].tolist() == [1.0, 2.0]
 
 
-def test_training_loss_uses_the_drawn_statistics() -> None:
+def test_training_inputs_are_normalised_with_the_drawn_statistics() -> None:
     m = fedrdn({"include_self": False})
     gs = m.aggregate(BANK, 0)
-    z = torch.tensor([[3.0, 6.0]])
-    model = Passthrough()
-    batch = Batch(z, torch.tensor([0]), z, z, z, model, 0, 0)  # type: ignore[arg-type]
+    transform = m.objective().inputs
+    assert transform is not None
+    z = torch.tensor([[[3.0, 6.0]]])
+    ok = torch.ones(1, 1, dtype=torch.bool)
     state = ClientState()
-    # client 0 draws client 1's (mu, sigma) = ((2, 4), (1, 2)): logits (1, 1), CE = log 2
-    assert m.client_loss(batch, gs, state).item() == pytest.approx(math.log(2))
-    assert int(state.tensors["fedrdn.step"]) == 1
-    # the defining mechanism: on the raw input the loss would be CE((3, 6), 0) = log(1 + e^3)
-    assert m.client_loss(batch, {}, ClientState()).item() == pytest.approx(math.log1p(math.e**3))
+    prepared = transform.prepare(gs, Group([state], [0], 2, [0]))
+    # client 0 draws client 1's (mu, sigma) = ((2, 4), (1, 2)): (3, 6) -> (1, 1)
+    assert transform.train(z, ok, prepared, slice(0, 1), 0).tolist() == [[[1.0, 1.0]]]
+    transform.finish(prepared, [3])
+    assert int(state.tensors["fedrdn.step"]) == 3  # the draw counter advanced by the steps
+    # the defining mechanism: before any statistics are shared the inputs are the raw ones
+    prepared = transform.prepare({}, Group([ClientState()], [0], 2, [0]))
+    assert torch.equal(transform.train(z, ok, prepared, slice(0, 1), 0), z)
+
+
+def test_a_training_batch_draws_at_the_client_step_counter() -> None:
+    m = fedrdn()
+    gs = m.aggregate(BANK, 0)
+    transform = m.objective().inputs
+    state = ClientState()
+    state.tensors["fedrdn.step"] = torch.tensor(7)
+    z = torch.zeros(1, 40, 2)
+    prepared = transform.prepare(gs, Group([state], [0], 2, [0]))
+    out = transform.train(z, torch.ones(1, 40, dtype=torch.bool), prepared, slice(0, 1), 2)
+    mu, sd = draw(gs, 0, True, 0, 40, step=9)
+    assert torch.equal(out[0], (z[0] - mu) / sd)
 
 
 def test_inference_normalises_with_own_or_federation_statistics() -> None:

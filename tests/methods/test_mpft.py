@@ -7,20 +7,32 @@ import math
 import pytest
 import torch
 
-from protofl.methods.mpft import distillation_kl, teacher_logits
+from protofl.methods.mpft import ServerDistillation, teacher_logits
+from protofl.methods.objectives import Step
 from tests.methods.helpers import (
     make,
     upload,
 )
 
 
-def test_distillation_kl_by_hand() -> None:
+def test_distillation_term_by_hand() -> None:
+    """beta * T^2 * KL(softmax(t/T) || softmax(s/T)) with the teacher on the raw feature."""
     t = 2.0
-    teacher = torch.tensor([[t * math.log(3.0), 0.0]])  # softmax(teacher / T) = (3/4, 1/4)
-    student = torch.zeros(1, 2)  # (1/2, 1/2)
+    gs = {"mpft.head.weight": torch.eye(2), "mpft.head.bias": torch.zeros(2)}
+    term = ServerDistillation(beta=0.5, temperature=t, use_adapter=False, source="feature")
+    f_raw = torch.tensor([[[t * math.log(3.0), 0.0]]])  # teacher: softmax(f / T) = (3/4, 1/4)
+    ok = torch.ones(1, 1, dtype=torch.bool)
+
+    def value(student: torch.Tensor) -> float:
+        step = Step(f=f_raw, logits=student, y=torch.zeros(1, 1, dtype=torch.long), ok=ok)
+        step.f_raw = f_raw
+        return float(term.value(step, term.prepare(gs, None), slice(0, 1))[0])  # type: ignore[arg-type]
+
     kl = 0.75 * math.log(1.5) + 0.25 * math.log(0.5)
-    assert distillation_kl(student, teacher, t).item() == pytest.approx(t * t * kl, rel=1e-5)
-    assert distillation_kl(teacher, teacher, t).item() == pytest.approx(0.0, abs=1e-6)
+    assert value(torch.zeros(1, 1, 2)) == pytest.approx(0.5 * t * t * kl, rel=1e-5)  # (1/2, 1/2)
+    assert value(f_raw) == pytest.approx(0.0, abs=1e-6)
+    # nothing before the server model is broadcast
+    assert term.prepare({}, None) is None  # type: ignore[arg-type]
 
 
 def test_teacher_logits_by_hand() -> None:

@@ -54,7 +54,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from protofl.methods.objectives import Group, LocalObjective, Step, nearest_prototype
+from protofl.methods.objectives import Group, LocalObjective, ModelView, Step, nearest_prototype
 from protofl.models.client import ClientModel, ResidualAdapter
 from protofl.privacy.dcr import distillation, ema_, soft_clip
 
@@ -513,6 +513,21 @@ def _spans(rows: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
+def _runs(values: Sequence[Any], live: Sequence[bool] | None = None) -> list[tuple[int, int]]:
+    """``[a, b)`` runs of equal consecutive ``values``, over the rows where ``live`` (default:
+    every row)."""
+    out: list[tuple[int, int]] = []
+    start: int | None = None
+    for i in range(len(values) + 1):
+        on = i < len(values) and (live is None or bool(live[i]))
+        if start is not None and (not on or values[i] != values[start]):
+            out.append((start, i))
+            start = None
+        if on and start is None:
+            start = i
+    return out
+
+
 @dataclass
 class _Group:
     """Clients trained together, in row order (longest first); rows contiguous or gathered."""
@@ -534,6 +549,31 @@ class _Group:
         """Write a gathered working copy back (nothing to do for views)."""
         if not self.contiguous:
             t.index_copy_(0, self.rows, work)
+
+
+class _GroupView(ModelView):
+    """:class:`ModelView` of a piece of a group: the clients' stacked parameters ``w``."""
+
+    def __init__(self, trainer: BatchedTrainer, w: dict[str, torch.Tensor]) -> None:
+        self.trainer = trainer
+        self.w = w
+
+    def features(self, z: torch.Tensor, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        w = dict(self.w)
+        w.update(params)
+        with torch.no_grad():
+            return self.trainer._plain_features(w, z)
+
+    def project(self, z: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            shared = self.trainer.shared_proj
+            if shared is not None:
+                return F.linear(z, *shared)
+            w = self.w
+            return torch.baddbmm(w["proj.bias"].unsqueeze(1), z, w["proj.weight"].transpose(1, 2))
+
+    def select(self, at: torch.Tensor) -> ModelView:
+        return _GroupView(self.trainer, {n: t.index_select(0, at) for n, t in self.w.items()})
 
 
 # --------------------------------------------------------------------------------------------
@@ -592,6 +632,7 @@ class BatchedTrainer:
         self.sgd = _optimizer_kind(sim.clients[0].optimizer) == "sgd"
         self.clip = float(sim.config.federation.grad_clip_norm)
         self.names = [n for n, p in first.named_parameters() if p.requires_grad]
+        self.head_names = [n for n in self.names if n.startswith("head.")]
         self.shapes = {n: tuple(p.shape) for n, p in first.named_parameters()}
         self.shared_proj = self.shared_projection(sim.clients)
         dcr = sim.clients[0].dcr
@@ -750,6 +791,11 @@ class BatchedTrainer:
             store.page_out(group.rows.tolist())
         for c in clients:
             sim.method.end_local(c.model, c.state, sim.global_state, c.data.client)
+        if sim.method.uses_training_data:
+            for c in clients:
+                c.model.eval()
+            for c, f in zip(clients, self.features_many(clients)):
+                sim.method.after_training(c.state, f, c.data.train_y)
         return losses
 
     def _batches(self, group: _Group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -841,11 +887,16 @@ class BatchedTrainer:
         dcr = clients[0].dcr
         dcr_steps = torch.tensor([c.dcr.steps for c in clients]) if dcr is not None else None
         # the method's declared terms, prepared once for the group (prototype table, anchors)
-        prepared = objective.prepare(
-            sim.global_state,
-            Group(
-                [c.state for c in clients], [c.data.domain for c in clients], sim.data.num_classes
-            ),
+        group_info = Group(
+            [c.state for c in clients],
+            [c.data.domain for c in clients],
+            sim.data.num_classes,
+            [c.data.client for c in clients],
+        )
+        prepared = objective.prepare(sim.global_state, group_info)
+        inputs = objective.inputs
+        inputs_prepared = (
+            inputs.prepare(sim.global_state, group_info) if inputs is not None else None
         )
         has_param_terms = bool(objective.param_terms)
         loss_sum = torch.zeros(m, dtype=torch.float64, device=self.device)
@@ -853,12 +904,18 @@ class BatchedTrainer:
             k = int((steps_of > s).sum())  # clients still stepping: a prefix
             widths = valid_cpu[:k, s].sum(dim=1).tolist()
             losses = []
+            # which clients' loss reaches the head (None: all; the objective without its
+            # cross-entropy and DCR off can leave it out)
+            head_live: list[torch.Tensor] | None = [] if dcr is None else None
             for a, b, width in self._pieces(widths):
                 rows = index[a:b, s, :width]
                 ok = valid[a:b, s, :width]
                 z = feats[rows]
                 if z.dtype != torch.float32:
                     z = z.float()
+                rows_ = slice(a, b)
+                if inputs is not None:
+                    z = inputs.train(z, ok, inputs_prepared, rows_, s)
                 y = labels[rows]
                 w = {n: t[a:b] for n, t in params.items()}
                 w.update({n: t[a:b] for n, t in fixed.items()})
@@ -866,9 +923,16 @@ class BatchedTrainer:
                 f_raw = self._features(w, g, z)
                 f = soft_clip(f_raw, dcr.radius, dcr.gamma, dcr.mode) if dcr else f_raw
                 logits = self._head(w, g, f)
-                rows_ = slice(a, b)
-                step = Step(f=f, logits=logits, y=y, ok=ok)
+                step = Step(
+                    f=f, logits=logits, y=y, ok=ok, z=z, f_raw=f_raw, model=_GroupView(self, w)
+                )
                 loss = objective.feature_loss(step, prepared, rows_)
+                if head_live is not None:
+                    used = objective.uses_logits(step, prepared, rows_)
+                    if used is None:
+                        head_live = None
+                    else:
+                        head_live.append(used)
                 if dcr is not None and dcr_steps is not None and dcr.weight != 0:
                     kd_on = dcr_steps[a:b] >= dcr.warmup  # on the CPU
                     kd_on_dev = kd_on.to(self.device)
@@ -894,18 +958,29 @@ class BatchedTrainer:
                     f"client {clients[bad].data.name!r}, round {sim.round}: local loss is "
                     f"{float(loss[bad])}"
                 )
+            live = None
+            if head_live is not None:
+                live = torch.cat(head_live) if len(head_live) > 1 else head_live[0]
+                if bool(live.all()):
+                    live = None
             loss.sum().backward()
             with torch.no_grad():
                 for n, g_n in param_grads.items():  # the parameter terms' gradients
                     grads[n][:k].add_(g_n)
+                if live is not None:  # a head without a gradient: none in the norm or the step
+                    for n in self.head_names:
+                        grads[n][:k][~live] = 0.0
                 if self.clip > 0:
                     self._clip(grads, k)
                 if self.sgd:
-                    self._sgd(params, grads, exp_avg, k)
+                    self._sgd(params, grads, exp_avg, k, live)
                 else:
                     for n in self.names:
-                        opt_step[n][:k] += 1
-                    self._adamw(params, grads, exp_avg, exp_avg_sq, opt_step, k)
+                        if live is not None and n in self.head_names:
+                            opt_step[n][:k] += live.to(opt_step[n].dtype)
+                        else:
+                            opt_step[n][:k] += 1
+                    self._adamw(params, grads, exp_avg, exp_avg_sq, opt_step, k, live)
                 if dcr is not None and dcr_steps is not None:
                     dcr_steps[:k] += 1
                     self._ema(teacher, params, dcr_steps, k, dcr.warmup, dcr.beta)
@@ -919,6 +994,8 @@ class BatchedTrainer:
             group.put(store.step[n], opt_step[n])
         for n, t in teacher.items():
             group.put(store.teacher[n], t)
+        if inputs is not None:
+            inputs.finish(inputs_prepared, group.steps)
         if dcr_steps is not None:
             for c, st in zip(clients, dcr_steps.tolist()):
                 c.dcr.steps = int(st)
@@ -981,25 +1058,29 @@ class BatchedTrainer:
         exp_avg_sq: dict[str, torch.Tensor],
         steps: dict[str, torch.Tensor],
         k: int,
+        head_live: torch.Tensor | None = None,
     ) -> None:
-        """torch's fused AdamW on rows 0..k-1, one tensor per run of equal step counts."""
+        """torch's fused AdamW on rows 0..k-1, one tensor per run of equal step counts; with
+        ``head_live`` the head's rows of the other clients take no step (no gradient)."""
         group = self.sim.clients[0].optimizer.param_groups[0]
         beta1, beta2 = (float(b) for b in group["betas"])
-        vals = steps[self.names[0]][:k].tolist()
-        runs: list[tuple[int, int]] = []
-        start = 0
-        for i in range(1, k + 1):
-            if i == k or vals[i] != vals[start]:
-                runs.append((start, i))
-                start = i
+        sets: list[tuple[list[str], list[bool] | None]] = [(self.names, None)]
+        if head_live is not None:
+            body = [n for n in self.names if n not in self.head_names]
+            sets = [(body, None), (self.head_names, head_live.tolist())]
         ps, gs, ms, vs, ss = [], [], [], [], []
-        for a, b in runs:
-            for n in self.names:
-                ps.append(params[n][a:b])
-                gs.append(grads[n][a:b])
-                ms.append(exp_avg[n][a:b])
-                vs.append(exp_avg_sq[n][a:b])
-                ss.append(steps[n][a])
+        for names, live in sets:
+            if not names:
+                continue
+            for a, b in _runs(steps[names[0]][:k].tolist(), live):
+                for n in names:
+                    ps.append(params[n][a:b])
+                    gs.append(grads[n][a:b])
+                    ms.append(exp_avg[n][a:b])
+                    vs.append(exp_avg_sq[n][a:b])
+                    ss.append(steps[n][a])
+        if not ps:
+            return
         lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
         if self.optimizer == "fused":
             torch._fused_adamw_(
@@ -1037,20 +1118,27 @@ class BatchedTrainer:
         grads: dict[str, torch.Tensor],
         bufs: dict[str, torch.Tensor],
         k: int,
+        head_live: torch.Tensor | None = None,
     ) -> None:
-        """torch's single-tensor SGD (dampening 0) on rows 0..k-1, op for op."""
+        """torch's single-tensor SGD (dampening 0) on rows 0..k-1, op for op; with
+        ``head_live`` the head's rows of the other clients take no step (no gradient)."""
         group = self.sim.clients[0].optimizer.param_groups[0]
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         momentum, nesterov = float(group["momentum"]), bool(group["nesterov"])
+        live = head_live.tolist() if head_live is not None else None
         for n in self.names:
-            p, g = params[n][:k], grads[n][:k]
-            if wd != 0.0:
-                g = g.add(p, alpha=wd)
-            if momentum != 0.0:
-                buf = bufs[n][:k]
-                buf.mul_(momentum).add_(g, alpha=1.0)
-                g = g.add(buf, alpha=momentum) if nesterov else buf
-            p.add_(g, alpha=-lr)
+            spans = [(0, k)]
+            if live is not None and n in self.head_names:
+                spans = _runs([0] * k, live)
+            for a, b in spans:
+                p, g = params[n][a:b], grads[n][a:b]
+                if wd != 0.0:
+                    g = g.add(p, alpha=wd)
+                if momentum != 0.0:
+                    buf = bufs[n][a:b]
+                    buf.mul_(momentum).add_(g, alpha=1.0)
+                    g = g.add(buf, alpha=momentum) if nesterov else buf
+                p.add_(g, alpha=-lr)
 
     @staticmethod
     def _ema(
@@ -1130,11 +1218,15 @@ class BatchedTrainer:
         With a frozen projection shared by all clients the products are re-associated
         (``proj(z) + (P U) h`` with ``proj(z)`` computed once per input set and reused across
         rounds, the head folded in), so logits agree with the per-client call to float rounding
-        and an exact tie between two classes may break differently."""
+        and an exact tie between two classes may break differently.  An objective whose input
+        transform changes each client's test inputs (FedRDN) predicts each on its own."""
         sim = self.sim
         gs = sim.global_state
         method = sim.method
-        proto_eval = bool(gs) and method.prediction() == "prototype"
+        rule = method.prediction()
+        proto_eval = bool(gs) and rule == "prototype"
+        objective = method.objective()
+        inputs = objective.inputs if objective is not None else None
         store = self._ensure_store()
         store.adopt_all(clients, optimizer=False)
         z_key = z  # the caller's tensor keys the proj(z) cache (float16 features: upcast here)
@@ -1143,10 +1235,11 @@ class BatchedTrainer:
         t = z.shape[0]
         d_in, hidden = z.shape[1], self.shapes["adapter.down.weight"][0]
         d = self.shapes["proj.weight"][0]
-        if self.shared_proj is None:
-            width = 3 * d_in + 2 * d
+        need_f = proto_eval or rule == "features" or self.head != "linear"
+        if self.shared_proj is None or inputs is not None:
+            width = 4 * d_in + 2 * d
         else:
-            width = hidden + (2 * d if proto_eval or self.head != "linear" else 0) + 64
+            width = hidden + (2 * d if need_f else 0) + 64
         per = max(1, min(len(clients), (32 * 2**20) // max(1, 4 * t * width)))
         rank = torch.tensor(
             sorted(range(len(clients)), key=lambda j: store.row[clients[j].data.client])
@@ -1157,17 +1250,18 @@ class BatchedTrainer:
             part = clients[a : a + per]
             part_rows = [store.row[c.data.client] for c in part]
             w = self._rows(store.param, part_rows)
-            if self.shared_proj is not None:
+            zz = inputs.evaluate(z, gs, [c.state for c in part]) if inputs is not None else None
+            if self.shared_proj is not None and zz is None:
                 y0 = self._proj_cache(z_key)
                 wd = w["adapter.down.weight"]  # [k, H, D]
                 k, hidden, _ = wd.shape
                 h = torch.relu(z @ wd.reshape(k * hidden, -1).T).view(t, k, hidden)
                 h = h.transpose(0, 1)  # [k, T, H]
                 up = w["adapter.up.weight"]  # [k, D, H]
-                if proto_eval or self.head != "linear":
+                if need_f:
                     pu = torch.matmul(self.shared_proj[0], up)  # [k, d, H]
                     f = y0.unsqueeze(0) + torch.bmm(h, pu.transpose(1, 2))
-                    out = self._predict_from_features(w, f, proto_eval)
+                    out = self._predict_from_features(w, f, rule, proto_eval, part)
                 else:
                     # logits = head(y0 + P U h) = y0 Wh^T + h (Wh P U)^T + bh
                     wh, bh = w["head.weight"], w["head.bias"]  # [k, C, d], [k, C]
@@ -1177,16 +1271,17 @@ class BatchedTrainer:
                     logits = logits + bh.unsqueeze(1)
                     out = logits.argmax(dim=-1)
             else:
-                if not self.train_proj:
+                if not self.train_proj and self.shared_proj is None:
                     w.update(
                         {
                             n: torch.stack([c.model.get_parameter(n).detach() for c in part])
                             for n in ("proj.weight", "proj.bias")
                         }
                     )
-                zz = z.unsqueeze(0).expand(len(part), -1, -1)
-                f = self._plain_features(w, zz)
-                out = self._predict_from_features(w, f, proto_eval)
+                if zz is None:
+                    zz = z.unsqueeze(0).expand(len(part), -1, -1)
+                f = self._plain_features(w, zz.float())
+                out = self._predict_from_features(w, f, rule, proto_eval, part)
             preds.append(out)
             store.page_out(part_rows)
         pred = torch.cat(preds)
@@ -1195,7 +1290,12 @@ class BatchedTrainer:
         return pred[back.to(pred.device)]
 
     def _predict_from_features(
-        self, w: dict[str, torch.Tensor], f: torch.Tensor, proto_eval: bool
+        self,
+        w: dict[str, torch.Tensor],
+        f: torch.Tensor,
+        rule: str | None,
+        proto_eval: bool,
+        part: Sequence[Client],
     ) -> torch.Tensor:
         gs = self.sim.global_state
         if proto_eval:
@@ -1208,6 +1308,11 @@ class BatchedTrainer:
             )
             logits = torch.baddbmm(
                 w["head.2.bias"].unsqueeze(1), x, w["head.2.weight"].transpose(1, 2)
+            )
+        if rule == "features":
+            method = self.sim.method
+            return torch.stack(
+                [method.predict_from(f[i], logits[i], gs, c.state) for i, c in enumerate(part)]
             )
         return logits.argmax(dim=-1)
 

@@ -43,7 +43,7 @@ from protofl.engine.batched import BatchedTrainer
 from protofl.engine.round import RoundMetrics, evaluation_plan, round_metrics
 from protofl.engine.runner import RunResult, RunSession, log_scope, prepare_run_dir
 from protofl.engine.simulation import Client, Simulation
-from protofl.methods.objectives import GlobalState, Group, LocalObjective, Step
+from protofl.methods.objectives import GlobalState, Group, InputTransform, LocalObjective, Step
 from protofl.models.device import to_device
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,17 @@ class _RunObjective:
     def param_terms(self) -> tuple[Any, ...]:
         return self.base.param_terms
 
-    def prepare(self, global_state: GlobalState, group: Group) -> _Prepared:
+    @property
+    def ce_weight(self) -> float:
+        return self.base.ce_weight
+
+    @property
+    def inputs(self) -> _RunInputs | None:
+        return None if self.base.inputs is None else _RunInputs(self.base.inputs, self)
+
+    def prepare_with(self, group: Group, prepare: Callable[..., Any]) -> _Prepared:
+        """``prepare(run, global state, group)`` (the objective's, or a run's input
+        transform's) per run of ``group``, with that run's global state and its clients' ids."""
         runs = [self.trainer.run_of_state(s) for s in group.states]
         members: dict[int, list[int]] = {}
         for pos, r in enumerate(runs):
@@ -123,15 +133,20 @@ class _RunObjective:
         for r, positions in members.items():
             for i, pos in enumerate(positions):
                 local[pos] = i
-            per_run[r] = self.base.prepare(
+            per_run[r] = prepare(
+                r,
                 self.trainer.sims[r].global_state,
                 Group(
                     [group.states[p] for p in positions],
                     [group.domains[p] for p in positions],
                     group.num_classes,
+                    [self.trainer.owner(group.states[p])[1] for p in positions],
                 ),
             )
         return _Prepared(runs=runs, local=local, per_run=per_run)
+
+    def prepare(self, global_state: GlobalState, group: Group) -> _Prepared:
+        return self.prepare_with(group, lambda r, gs, g: self.base.prepare(gs, g))
 
     def _split(self, prepared: _Prepared, rows: slice) -> list[tuple[int, list[int], slice]]:
         """The runs of rows ``rows`` of the group: (run, positions within the rows, the run's
@@ -147,26 +162,47 @@ class _RunObjective:
             parts.append((r, idx, slice(first, first + len(idx))))
         return parts
 
-    def feature_loss(self, step: Step, prepared: _Prepared, rows: slice) -> torch.Tensor:
+    def per_run(
+        self,
+        prepared: _Prepared,
+        rows: slice,
+        device: torch.device,
+        fn: Callable[[int, torch.Tensor | None, Any, slice], torch.Tensor],
+    ) -> torch.Tensor:
+        """``fn(run, positions, run's prepared inputs, run's rows)`` on each run's segment of
+        rows ``rows`` (positions None: all of them), reassembled in row order along dim 0."""
         parts = self._split(prepared, rows)
         if len(parts) == 1:
             r, _, own = parts[0]
-            return self.base.feature_loss(step, prepared.per_run[r], own)
-        losses, order = [], []
+            return fn(r, None, prepared.per_run[r], own)
+        outs, order = [], []
         for r, idx, own in parts:
-            at = torch.tensor(idx, device=step.f.device)
-            sub = Step(
-                f=step.f.index_select(0, at),
-                logits=step.logits.index_select(0, at),
-                y=step.y.index_select(0, at),
-                ok=step.ok.index_select(0, at),
-                params={n: p.index_select(0, at) for n, p in step.params.items()},
-            )
-            losses.append(self.base.feature_loss(sub, prepared.per_run[r], own))
+            outs.append(fn(r, torch.tensor(idx, device=device), prepared.per_run[r], own))
             order += idx
         back = torch.empty(len(order), dtype=torch.long)
         back[torch.tensor(order)] = torch.arange(len(order))
-        return torch.cat(losses)[back.to(losses[0].device)]
+        return torch.cat(outs)[back.to(outs[0].device)]
+
+    def feature_loss(self, step: Step, prepared: _Prepared, rows: slice) -> torch.Tensor:
+        return self.per_run(
+            prepared,
+            rows,
+            step.f.device,
+            lambda r, at, prep, own: self.base.feature_loss(
+                step if at is None else step.select(at), prep, own
+            ),
+        )
+
+    def uses_logits(self, step: Step, prepared: _Prepared, rows: slice) -> torch.Tensor | None:
+        if self.base.ce_weight != 0:
+            return None  # a cross-entropy: every client's loss reaches the head
+
+        def used(r: int, at: torch.Tensor | None, prep: Any, own: slice) -> torch.Tensor:
+            sub = step if at is None else step.select(at)
+            out = self.base.uses_logits(sub, prep, own)
+            return torch.ones(sub.y.shape[0], dtype=torch.bool) if out is None else out
+
+        return self.per_run(prepared, rows, step.f.device, used)
 
     def param_loss(
         self, params: Mapping[str, torch.Tensor], prepared: _Prepared, rows: slice, k: int
@@ -190,6 +226,51 @@ class _RunObjective:
                     grads[n] = torch.zeros_like(params[n])
                 grads[n].index_copy_(0, at, gn)
         return (value if any_value else None), grads
+
+
+class _RunInputs:
+    """The objective's input transform, each run's own (its seed keys its draws), prepared and
+    applied per run segment of a group."""
+
+    def __init__(self, base: Any, objective: _RunObjective) -> None:
+        self.base = base
+        self.objective = objective
+        self.of_run: list[InputTransform] = []
+        for sim in objective.trainer.sims:
+            own = sim.method.objective()
+            if own is None or own.inputs is None:
+                raise ValueError(f"fused runs disagree on {sim.method.name}'s input transform")
+            self.of_run.append(own.inputs)
+
+    def prepare(self, global_state: GlobalState, group: Group) -> _Prepared:
+        return self.objective.prepare_with(group, lambda r, gs, g: self.of_run[r].prepare(gs, g))
+
+    def train(
+        self, z: torch.Tensor, ok: torch.Tensor, prepared: _Prepared, rows: slice, step: int
+    ) -> torch.Tensor:
+        def one(r: int, at: torch.Tensor | None, prep: Any, own: slice) -> torch.Tensor:
+            if at is not None:
+                return self.of_run[r].train(
+                    z.index_select(0, at), ok.index_select(0, at), prep, own, step
+                )
+            return self.of_run[r].train(z, ok, prep, own, step)
+
+        return self.objective.per_run(prepared, rows, z.device, one)
+
+    def finish(self, prepared: _Prepared, steps: Sequence[int]) -> None:
+        per: dict[int, list[int]] = {}
+        for r, n in zip(prepared.runs, steps, strict=True):
+            per.setdefault(r, []).append(int(n))
+        for r, run_steps in per.items():
+            self.of_run[r].finish(prepared.per_run[r], run_steps)
+
+    def evaluate(
+        self, z: torch.Tensor, global_state: GlobalState, states: Sequence[Any]
+    ) -> torch.Tensor | None:
+        runs = {self.objective.trainer.run_of_state(s) for s in states}
+        if len(runs) != 1:  # evaluate_runs predicts each run's clients on their own
+            raise ValueError("fused evaluation mixed the clients of several runs")
+        return self.of_run[runs.pop()].evaluate(z, global_state, states)
 
 
 @dataclass
@@ -222,6 +303,10 @@ class _Methods:
         r, cid = self._trainer.owner(state)
         sim = self._trainer.sims[r]
         sim.method.end_local(model, state, sim.global_state, cid)
+
+    def after_training(self, state: Any, f: torch.Tensor, y: torch.Tensor) -> None:
+        r, _ = self._trainer.owner(state)
+        self._trainer.sims[r].method.after_training(state, f, y)
 
 
 class _FusedView:
@@ -341,7 +426,11 @@ class FusedTrainer(BatchedTrainer):
         """:meth:`Simulation.evaluate` of every run in ``samples`` (run -> ``sample``): the
         clients of all runs that are evaluated on equal test data are predicted together
         (classifier rule; the prototype rule predicts per run, against its global state)."""
-        per_run_proto = self.sims[0].method.prediction() == "prototype"
+        # prototype and feature rules, and input transforms, read each run's global state
+        method = self.sims[0].method
+        objective = method.objective()
+        per_run_rule = method.prediction() in ("prototype", "features")
+        transformed = objective is not None and objective.inputs is not None
         groups: dict[tuple[int, int], list[tuple[int, Client]]] = {}
         inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for r, sample in samples.items():
@@ -350,7 +439,8 @@ class FusedTrainer(BatchedTrainer):
                 c.model.eval()
                 z, y = sim.test_set(c, sample)
                 z, y = self._same(z), self._same(y)
-                key = (id(z), r if per_run_proto and sim.global_state else -1)
+                own = transformed or (per_run_rule and bool(sim.global_state))
+                key = (id(z), r if own else -1)
                 groups.setdefault(key, []).append((r, c))
                 inputs[key] = (z, y)
         acc: dict[tuple[int, int], float] = {}

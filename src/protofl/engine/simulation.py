@@ -36,6 +36,7 @@ from protofl.engine.round import (
 )
 from protofl.methods import create_method
 from protofl.methods.base import Batch, ClientState, GlobalState, Method, Upload
+from protofl.methods.objectives import Group
 from protofl.models.backbones import backbone_class
 from protofl.models.client import ClientModel
 from protofl.models.device import autocast, describe_device, prepare_device, to_cpu, to_device
@@ -389,11 +390,20 @@ class Simulation:
         c.model.train()
         n = c.data.num_train
         total, steps = 0.0, 0
+        # the objective's input transform (FedRDN), prepared once for the round
+        objective = self.method.objective()
+        inputs = objective.inputs if objective is not None else None
+        if inputs is not None:
+            group = Group([c.state], [c.data.domain], self.data.num_classes, [c.data.client])
+            prepared = inputs.prepare(self.global_state, group)
         for _ in range(fed.local_epochs):
             perm = torch.randperm(n, generator=c.train_gen)
             for start in range(0, n, fed.batch_size):
                 idx = perm[start : start + fed.batch_size].to(self.device)
                 z, y = c.data.train_z[idx].float(), c.data.train_y[idx]
+                if inputs is not None:
+                    ok = torch.ones(1, len(y), dtype=torch.bool, device=y.device)
+                    z = inputs.train(z.unsqueeze(0), ok, prepared, slice(0, 1), steps)[0]
                 with autocast(self.device, self.amp):
                     f_raw = c.model.features(z)
                     f = c.dcr.soft_clip(f_raw) if c.dcr is not None else f_raw
@@ -425,8 +435,20 @@ class Simulation:
                     c.dcr.after_step(c.model.head)
                 total += float(loss.detach())
                 steps += 1
+        if inputs is not None:
+            inputs.finish(prepared, [steps])
         self.method.end_local(c.model, c.state, self.global_state, c.data.client)
+        self.after_training(c)
         return total / max(steps, 1)
+
+    def after_training(self, c: Client) -> None:
+        """``Method.after_training`` with the client's training data, when the method uses it."""
+        if not self.method.uses_training_data:
+            return
+        c.model.eval()
+        with torch.no_grad():
+            f = c.model.features(c.data.train_z.float())
+        self.method.after_training(c.state, f, c.data.train_y)
 
     def train_active(self, clients: list[Client]) -> list[float]:
         """Local training of the round's participants: batched when configured and supported

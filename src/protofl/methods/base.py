@@ -12,7 +12,13 @@ A method never runs an engine loop. The engine (``protofl.engine``) calls, per r
    executor runs the same declaration for many clients at once;
 4. if ``shares_weights``, the engine combines the trained weights as ``weight_plan`` says
    (default: FedAvg's sample-weighted mean of every tensor, sent to all);
-5. ``predict`` on each client's test set (the default runs the declared ``prediction`` rule).
+5. ``predict`` on each client's test set (the default runs the declared ``prediction`` rule;
+   a method with its own rule on the features declares ``features`` and writes
+   ``predict_from``, which every executor calls with the features and logits it computed).
+
+A method whose clients keep something computed from their own trained model and data (FedPCL's
+un-noised local prototypes) does it in ``after_training``, which every executor calls with the
+client's training data once its local training is over.
 
 A method that needs more from a client than its release and weights (a loss value, input
 statistics, a classifier head) says so in ``extra_uploads`` and computes it in
@@ -33,10 +39,12 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch.func import functional_call
 
 from protofl.methods.objectives import (
     Group,
     LocalObjective,
+    ModelView,
     Step,
     nearest_prototype,
     prototype_table,
@@ -176,6 +184,17 @@ class Method:
         or None when only ``predict`` knows it.  Default: the classifier head."""
         return "classifier"
 
+    def predict_from(
+        self,
+        f: torch.Tensor,
+        logits: torch.Tensor,
+        global_state: GlobalState,
+        state: ClientState,
+    ) -> torch.Tensor:
+        """The ``features`` rule: labels from one client's features ``f`` [T, d] and head
+        logits [T, C] (default: the head's argmax)."""
+        return logits.argmax(dim=-1)
+
     def _undeclared_objective(self) -> LocalObjective | None:
         return None
 
@@ -220,6 +239,15 @@ class Method:
     ) -> None:
         """Called once per round after local training, before any weight averaging."""
 
+    def after_training(self, state: ClientState, f: torch.Tensor, y: torch.Tensor) -> None:
+        """Called after ``end_local`` when ``uses_training_data`` is set, with the features
+        ``f`` of the client's training inputs under its trained model (eval mode, no gradient;
+        executors compute them as the upload features) and their labels ``y`` (FedPCL's local
+        prototypes).  Default: nothing."""
+
+    uses_training_data: bool = False
+    """Whether the executors call :meth:`after_training` (it costs a pass over the data)."""
+
     def client_loss(
         self, batch: Batch, global_state: GlobalState, state: ClientState
     ) -> torch.Tensor:
@@ -237,10 +265,14 @@ class Method:
             f=batch.f.unsqueeze(0),
             logits=batch.logits.unsqueeze(0),
             y=batch.y.unsqueeze(0),
-            ok=torch.ones(1, len(batch.y), dtype=torch.bool),
+            ok=torch.ones(1, len(batch.y), dtype=torch.bool, device=batch.y.device),
             params=params,
+            z=batch.z.unsqueeze(0),
+            f_raw=batch.f_raw.unsqueeze(0),
+            model=ClientView(batch.model),
         )
-        prepared = objective.prepare(global_state, Group([state], [batch.domain], self.num_classes))
+        group = Group([state], [batch.domain], self.num_classes, [batch.client])
+        prepared = objective.prepare(global_state, group)
         return objective.loss(step, prepared, slice(0, 1))[0]
 
     # ----- server side ----------------------------------------------------------------------
@@ -263,10 +295,19 @@ class Method:
         state: ClientState,
     ) -> torch.Tensor:
         """Predicted labels for cached representations ``z``: the declared
-        :meth:`prediction` rule (classifier head, or the nearest global prototype)."""
-        if self.prediction() == "prototype" and global_state:
+        :meth:`prediction` rule (classifier head, the nearest global prototype, or
+        :meth:`predict_from`) on the inputs as the objective's ``inputs`` changes them."""
+        objective = self.objective()
+        if objective is not None and objective.inputs is not None:
+            changed = objective.inputs.evaluate(z, global_state, [state])
+            if changed is not None:
+                z = changed[0]
+        rule = self.prediction()
+        if rule == "prototype" and global_state:
             return nearest_prototype(model.features(z), global_state)
-        _, logits = model(z)
+        f, logits = model(z)
+        if rule == "features":
+            return self.predict_from(f, logits, global_state, state)
         return logits.argmax(dim=1)
 
     # ----- state ----------------------------------------------------------------------------
@@ -280,6 +321,26 @@ class Method:
 
 
 METHOD_REGISTRY: Registry[type[Method]] = Registry("method")
+
+
+class ClientView(ModelView):
+    """:class:`ModelView` of one client's model (``k = 1``), for the per-client loop."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def features(self, z: torch.Tensor, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        # eval mode: reference features see no dropout or augmentation
+        with torch.no_grad(), eval_mode(self.model):
+            f, _ = functional_call(self.model, {n: p[0] for n, p in params.items()}, (z[0],))
+        return f.unsqueeze(0)
+
+    def project(self, z: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model.proj(z[0]).unsqueeze(0)  # type: ignore[no-any-return]
+
+    def select(self, at: torch.Tensor) -> ModelView:
+        return self
 
 
 def create_method(

@@ -12,21 +12,27 @@ Snapshots of the global and previous local weights are kept in :class:`ClientSta
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call
 
 from protofl.methods.base import (
     METHOD_REGISTRY,
-    Batch,
     ClientState,
     GlobalState,
     Method,
-    eval_mode,
 )
-from protofl.methods.objectives import LocalObjective, Proximal, proximal
+from protofl.methods.objectives import (
+    Group,
+    LocalObjective,
+    Proximal,
+    Step,
+    Term,
+    masked_mean,
+    proximal,
+)
 from protofl.models.client import ClientModel
 
 
@@ -83,17 +89,57 @@ class FedProx(Method):
 
 
 def moon_contrastive(
-    z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor, temperature: float
+    z: torch.Tensor,
+    z_glob: torch.Tensor,
+    z_prev: torch.Tensor,
+    temperature: float,
+    ok: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """MOON Eq. (3), batch mean: ``-log(e^{cos(z,z_g)/t} / (e^{cos(z,z_g)/t} + e^{cos(z,z_p)/t}))``.
+    """MOON Eq. (3): ``-log(e^{cos(z,z_g)/t} / (e^{cos(z,z_g)/t} + e^{cos(z,z_p)/t}))``, the mean
+    over the batch: [b, d] -> scalar, or per client over the valid rows ``ok`` [k, b] of
+    [k, b, d] -> [k].
 
     ``z_g`` is the global model's feature (positive), ``z_p`` the previous local model's (negative).
     """
-    pos = F.cosine_similarity(z, z_glob, dim=1) / temperature
-    neg = F.cosine_similarity(z, z_prev, dim=1) / temperature
-    logits = torch.stack([pos, neg], dim=1)
-    target = torch.zeros(len(z), dtype=torch.long)
-    return F.cross_entropy(logits, target)
+    pos = F.cosine_similarity(z, z_glob, dim=-1) / temperature
+    neg = F.cosine_similarity(z, z_prev, dim=-1) / temperature
+    per = torch.logaddexp(pos, neg) - pos
+    return per.mean(dim=-1) if ok is None else masked_mean(per, ok)
+
+
+@dataclass(frozen=True)
+class ModelContrast(Term):
+    """``mu * l_con`` (MOON Eq. 3-4) on the feature f: the reference features of the same
+    inputs under the client's snapshots ``prefix_global`` (positive) and ``prefix_prev``
+    (negative), computed without gradient in eval mode."""
+
+    mu: float
+    temperature: float
+    prefix_global: str
+    prefix_prev: str
+
+    def prepare(self, global_state: GlobalState, group: Group) -> Any:
+        if self.mu == 0:
+            return None
+
+        def stacked(prefix: str) -> dict[str, torch.Tensor]:
+            states = group.states
+            names = [n[len(prefix) :] for n in states[0].tensors if n.startswith(prefix)]
+            if len(states) == 1:  # the per-client loop: views, no copies
+                return {n: states[0].tensors[prefix + n].unsqueeze(0) for n in names}
+            return {n: torch.stack([s.tensors[prefix + n] for s in states]) for n in names}
+
+        return stacked(self.prefix_global), stacked(self.prefix_prev)
+
+    def value(self, step: Step, prepared: Any, rows: slice) -> torch.Tensor:
+        if prepared is None:
+            return torch.zeros(step.y.shape[0], dtype=step.f.dtype, device=step.f.device)
+        if step.model is None or step.z is None:
+            raise ValueError("moon: the executor gave the step no model view or inputs")
+        glob, prev = ({n: t[rows] for n, t in snap.items()} for snap in prepared)
+        z_glob = step.model.features(step.z, glob)
+        z_prev = step.model.features(step.z, prev)
+        return self.mu * moon_contrastive(step.f, z_glob, z_prev, self.temperature, step.ok)
 
 
 @METHOD_REGISTRY.register("moon")
@@ -135,22 +181,9 @@ class Moon(Method):
         for name, w in model.state_dict().items():
             state.tensors[self.PREV + name] = w.detach().clone()
 
-    @staticmethod
-    def _snapshot(state: ClientState, prefix: str) -> dict[str, torch.Tensor]:
-        return {k[len(prefix) :]: v for k, v in state.tensors.items() if k.startswith(prefix)}
-
-    def client_loss(
-        self, batch: Batch, global_state: GlobalState, state: ClientState
-    ) -> torch.Tensor:
+    def objective(self) -> LocalObjective:
         """CE + mu * l_con (MOON Eq. 3-4)."""
-        loss = F.cross_entropy(batch.logits, batch.y)
-        mu = float(self.params["mu"])
-        if mu == 0:
-            return loss
-        # the reference features of the same input, in eval mode (no dropout or augmentation:
-        # at identical weights z_glob equals the student's feature)
-        with torch.no_grad(), eval_mode(batch.model):
-            z_glob, _ = functional_call(batch.model, self._snapshot(state, self.GLOBAL), (batch.z,))
-            z_prev, _ = functional_call(batch.model, self._snapshot(state, self.PREV), (batch.z,))
-        l_con = moon_contrastive(batch.f, z_glob, z_prev, float(self.params["temperature"]))
-        return loss + mu * l_con
+        p = self.params
+        return LocalObjective(
+            terms=(ModelContrast(float(p["mu"]), float(p["temperature"]), self.GLOBAL, self.PREV),)
+        )

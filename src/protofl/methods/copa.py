@@ -29,16 +29,15 @@ prototypes, so a run with it has no DP guarantee (the statement says so, naming 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call
 
 from protofl.methods.base import (
     METHOD_REGISTRY,
-    Batch,
     ClientState,
     GlobalState,
     Method,
@@ -46,6 +45,7 @@ from protofl.methods.base import (
     WeightPlan,
 )
 from protofl.methods.fpl import is_number
+from protofl.methods.objectives import Group, LocalObjective, Step, Term, masked_mean
 from protofl.models.client import ClientModel
 
 HEAD = "head."
@@ -54,6 +54,63 @@ BANK = "copa.head."  # server state: copa.head.<client>.<head key>
 ENSEMBLE = "copa.ensemble."  # broadcast: copa.ensemble.<head key> -> [M, ...] stacked heads
 CLIENTS = "copa.clients"  # broadcast: the client id of each stacked head
 OWN = "copa.client"  # client state: this client's id (predict is not told it)
+
+
+def apply_heads(heads: Mapping[str, torch.Tensor], f: torch.Tensor) -> torch.Tensor:
+    """``J`` stacked heads (a head's state-dict names: ``weight``/``bias`` of a linear head, or
+    ``0.*``/``2.*`` of Linear-ReLU-Linear; each [J, ...]) on features ``f`` [..., b, d]:
+    logits [..., J, b, C]."""
+
+    def linear(x: torch.Tensor, prefix: str) -> torch.Tensor:
+        # x [..., J, b, i] or [..., 1, b, i] (broadcast over J); weight [J, o, i]; bias [J, o]
+        out = x @ heads[prefix + "weight"].to(x.dtype).transpose(-1, -2)
+        bias = heads.get(prefix + "bias")
+        return out if bias is None else out + bias.to(x.dtype).unsqueeze(-2)
+
+    x = f.unsqueeze(-3)  # [..., 1, b, d]
+    if "weight" in heads:
+        return linear(x, "")
+    return linear(torch.relu(linear(x, "0.")), "2.")
+
+
+def stacked_heads(global_state: GlobalState) -> dict[str, torch.Tensor]:
+    """The broadcast heads as head-module parameter names -> [J, ...] (client order)."""
+    return {
+        k[len(ENSEMBLE) + len(HEAD) :]: v for k, v in global_state.items() if k.startswith(ENSEMBLE)
+    }
+
+
+@dataclass(frozen=True)
+class FrozenHeads(Term):
+    """``collab_weight * (1/|J|) sum_{j in J} CE(h_j(f), y)`` over the other clients' broadcast
+    heads, frozen (gradients reach ``f`` only); zero for a client without others."""
+
+    weight: float
+
+    def prepare(self, global_state: GlobalState, group: Group) -> Any:
+        if self.weight == 0 or CLIENTS not in global_state:
+            return None
+        if len(group.clients) != len(group.states):
+            raise ValueError("copa: the executor did not say which clients it trains")
+        ids = global_state[CLIENTS]
+        own = torch.tensor([int(c) for c in group.clients], dtype=ids.dtype)
+        others = ids.unsqueeze(0) != own.unsqueeze(1)  # [clients, J]
+        return stacked_heads(global_state), others
+
+    def value(self, step: Step, prepared: Any, rows: slice) -> torch.Tensor:
+        if prepared is None:
+            return torch.zeros(step.y.shape[0], dtype=step.f.dtype, device=step.f.device)
+        heads, others = prepared
+        others = others[rows].to(step.f.device)
+        logits = apply_heads(heads, step.f)  # [k, J, b, C]
+        k, j, b, c = logits.shape
+        y = step.y.unsqueeze(1).expand(k, j, b)
+        ce = F.cross_entropy(logits.reshape(-1, c), y.reshape(-1), reduction="none").view(k, j, b)
+        per_head = masked_mean(ce.reshape(k * j, b), step.ok.repeat_interleave(j, dim=0))
+        per_head = per_head.view(k, j) * others.to(ce.dtype)
+        n = others.sum(dim=1)
+        collab = per_head.sum(dim=1) / n.clamp_min(1).to(ce.dtype)
+        return torch.where(n > 0, self.weight * collab, torch.zeros_like(collab))
 
 
 @METHOD_REGISTRY.register("copa")
@@ -89,39 +146,26 @@ class COPA(Method):
         """FedAvg of everything but the heads, which stay each client's own."""
         return WeightPlan(local=(HEAD,))
 
-    def client_loss(
-        self, batch: Batch, global_state: GlobalState, state: ClientState
-    ) -> torch.Tensor:
+    def objective(self) -> LocalObjective:
         """``CE(h_k(f), y) + collab_weight * mean_j CE(h_j(f), y)`` over the other clients'
         frozen heads (module docstring)."""
-        loss = F.cross_entropy(batch.logits, batch.y)
-        weight = float(self.params["collab_weight"])
-        others = other_heads(global_state, batch.client, batch.f.device)
-        if weight == 0 or not others:
-            return loss
-        collab = torch.stack(
-            [
-                F.cross_entropy(functional_call(batch.model.head, h, (batch.f,)), batch.y)
-                for h in others
-            ]
-        ).mean()
-        return loss + weight * collab
+        return LocalObjective(terms=(FrozenHeads(float(self.params["collab_weight"])),))
 
-    def predict(
-        self,
-        model: ClientModel,
-        z: torch.Tensor,
-        global_state: GlobalState,
-        state: ClientState,
+    def prediction(self) -> str:
+        """:meth:`predict_from`: the ensemble of heads, or the client's own head."""
+        return "features"
+
+    def predict_from(
+        self, f: torch.Tensor, logits: torch.Tensor, global_state: GlobalState, state: ClientState
     ) -> torch.Tensor:
         """``eval: ensemble``: argmax of the mean softmax over the client's own head and the
         others' broadcast heads; ``own``: the client's head alone."""
-        f, logits = model(z)
-        if self.params["eval"] == "own":
-            return logits.argmax(dim=1)
+        if self.params["eval"] == "own" or CLIENTS not in global_state:
+            return logits.argmax(dim=-1)
         own = int(state.tensors[OWN]) if OWN in state.tensors else -1
-        others = other_heads(global_state, own, f.device)
-        return ensemble_probs(model.head, f, logits, others).argmax(dim=1)
+        others = global_state[CLIENTS] != own
+        heads = {n: t[others].to(f.device) for n, t in stacked_heads(global_state).items()}
+        return ensemble_probs(f, logits, heads).argmax(dim=-1)
 
     # ----- server -------------------------------------------------------------------------------
     def aggregate(self, uploads: Sequence[Upload], round_index: int) -> GlobalState:
@@ -149,30 +193,13 @@ class COPA(Method):
         return out
 
 
-def other_heads(
-    global_state: GlobalState, client: int, device: torch.device | None = None
-) -> list[dict[str, torch.Tensor]]:
-    """The broadcast heads of every client but ``client``, as parameter dicts of the head
-    module (``weight``, ``bias``, ...), on ``device``."""
-    if CLIENTS not in global_state:
-        return []
-    keys = [k for k in global_state if k.startswith(ENSEMBLE)]
-    out = []
-    for i, c in enumerate(global_state[CLIENTS].tolist()):
-        if int(c) == int(client):
-            continue
-        out.append({k[len(ENSEMBLE) + len(HEAD) :]: global_state[k][i].to(device) for k in keys})
-    return out
-
-
 def ensemble_probs(
-    head: torch.nn.Module,
-    f: torch.Tensor,
-    own_logits: torch.Tensor,
-    others: Sequence[dict[str, torch.Tensor]],
+    f: torch.Tensor, own_logits: torch.Tensor, others: Mapping[str, torch.Tensor]
 ) -> torch.Tensor:
-    """COPA's output ensemble: the mean over heads of ``softmax(h_j(f))`` (own head first)."""
-    probs = F.softmax(own_logits, dim=1)
-    for h in others:
-        probs = probs + F.softmax(functional_call(head, h, (f,)), dim=1)
-    return probs / (1 + len(others))
+    """COPA's output ensemble: the mean over heads of ``softmax(h_j(f))``, the client's own
+    head and the stacked ``others`` ([J, ...]; J may be 0)."""
+    probs = F.softmax(own_logits, dim=-1)
+    n = next(iter(others.values())).shape[0] if others else 0
+    if n:
+        probs = probs + F.softmax(apply_heads(others, f), dim=-1).sum(dim=-3)
+    return probs / (1 + n)

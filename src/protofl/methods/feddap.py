@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 from protofl.methods.base import METHOD_REGISTRY, ClientState, GlobalState, Method, Upload
 from protofl.methods.objectives import Group, LocalObjective, Step, Term
-from protofl.models.client import ClientModel
 
 
 def fusion_weights(protos: torch.Tensor, tau: float) -> torch.Tensor:
@@ -260,17 +259,17 @@ class FedDAP(Method):
             )
         )
 
-    def prediction(self) -> str | None:
-        """The classifier head; the cosine (class, domain) rule of ``eval: prototype`` is only
-        :meth:`predict`'s (that run trains client by client)."""
-        return "classifier" if self.params["eval"] == "classifier" else None
+    def prediction(self) -> str:
+        """The classifier head, or :meth:`predict_from`'s cosine (class, domain) rule."""
+        return "classifier" if self.params["eval"] == "classifier" else "features"
 
-    def predict(
-        self, model: ClientModel, z: torch.Tensor, global_state: GlobalState, state: ClientState
+    def predict_from(
+        self, f: torch.Tensor, logits: torch.Tensor, global_state: GlobalState, state: ClientState
     ) -> torch.Tensor:
-        """Classifier head, or the class of the nearest (class, domain) prototype by cosine."""
-        if self.params["eval"] == "classifier" or "domains" not in global_state:
-            return super().predict(model, z, global_state, state)
-        f = F.normalize(model.features(z), dim=1)
-        sim = f @ F.normalize(global_state["prototypes"].to(f.dtype), dim=1).T
-        return global_state["classes"][sim.argmax(dim=1)]
+        """The class of the nearest (class, domain) prototype by cosine (the head before any
+        arrived)."""
+        if "domains" not in global_state:
+            return logits.argmax(dim=-1)
+        fn = F.normalize(f, dim=-1)
+        sim = fn @ F.normalize(global_state["prototypes"].to(f.dtype), dim=-1).T
+        return global_state["classes"][sim.argmax(dim=-1)]

@@ -17,18 +17,22 @@ prototype and M counts every client that uploaded, the training client included.
 ``ce_weight > 0`` adds ``ce_weight * CE(h(f), y)`` on the head (off by default, as in the paper;
 with it off, the head learns only through DCR's distillation term when DCR is on).
 
+A batch none of whose samples has a global prototype (and every batch before the first global
+prototypes arrive) is trained with the head's cross-entropy alone.  With ``ce_weight`` 0 the head
+takes no optimiser step on a batch whose loss does not reach it (as torch skips a parameter
+without a gradient), in every executor.
+
 Evaluation (``eval: prototype``, the default): nearest *un-noised* local prototype by cosine, the
-client's own class means of f recomputed with its model after local training. They never leave the
-client, so they cost no privacy. ``end_local`` computes them from ``train_z``/``train_y`` when the
-engine passes them; otherwise from the batches the client trained on this round (each epoch visits
-every training sample once, so the class means equal the training-set class means). Before any
-local prototypes exist it falls back to the nearest global prototype. ``eval: classifier`` uses
-the head.
+client's own class means of f over its whole training set, recomputed with its model after local
+training (``after_training``). They never leave the client, so they cost no privacy. Before any
+local prototypes exist it falls back to the nearest global prototype, then to the head.
+``eval: classifier`` uses the head.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -36,7 +40,6 @@ import torch.nn.functional as F
 
 from protofl.methods.base import (
     METHOD_REGISTRY,
-    Batch,
     ClientState,
     GlobalState,
     Method,
@@ -51,6 +54,15 @@ from protofl.methods.fpl import (
     is_number,
     nearest_prototype,
     report_missing,
+)
+from protofl.methods.objectives import (
+    Group,
+    LocalObjective,
+    Step,
+    Term,
+    cosine,
+    cross_entropy,
+    hit_mean,
 )
 from protofl.models.client import ClientModel
 
@@ -99,6 +111,67 @@ def prototype_softmax_loss(
     return F.cross_entropy(logits.reshape(m * b, k), target.repeat(m))
 
 
+def softmax_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-row ``CE(logits, target)``: [..., b, K] and [..., b] -> [..., b]."""
+    return torch.logsumexp(logits, dim=-1) - logits.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+
+
+@dataclass(frozen=True)
+class PrototypeContrast(Term):
+    """FedPCL's global + mean per-client prototype-softmax cross-entropy over the samples whose
+    class has a global prototype; a client with none in the step (or before any prototype) is
+    trained with the head's cross-entropy, weighted ``1 - ce_weight`` here so that with the
+    objective's ``ce_weight`` it is plain CE (module docstring)."""
+
+    tau: float
+    ce_weight: float = 0.0
+
+    def prepare(self, global_state: GlobalState, group: Group) -> Any:
+        if not has_prototypes(global_state):
+            return None
+        rows = class_index(global_state["classes"], group.num_classes)
+        tables = global_state.get("client_prototypes")
+        if tables is not None and tables.shape[0] == 0:
+            tables = None
+        return global_state["prototypes"], rows, tables
+
+    def _hits(self, step: Step, prepared: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if prepared is None:
+            none = torch.zeros_like(step.ok)
+            return none, none.any(dim=1)
+        hit = (prepared[1][step.y] >= 0) & step.ok
+        return hit, hit.any(dim=1)
+
+    def value(self, step: Step, prepared: Any, rows: slice) -> torch.Tensor:
+        hit, any_hit = self._hits(step, prepared)
+        fallback = 1.0 - self.ce_weight
+        if prepared is not None:
+            protos, index, tables = prepared
+            target = index[step.y].clamp_min(0)
+            per = softmax_ce(cosine(step.f, protos) / self.tau, target)
+            if tables is not None:  # [k, b, M*K] -> the mean over the M client tables
+                m, k_cls, d = tables.shape
+                logits = cosine(step.f, tables.reshape(m * k_cls, d)) / self.tau
+                logits = logits.unflatten(-1, (m, k_cls)).transpose(-2, -3)  # [k, M, b, K]
+                per = per + softmax_ce(logits, target.unsqueeze(1).expand_as(logits[..., 0])).mean(
+                    dim=1
+                )
+            proto = hit_mean(per, hit)
+            if fallback == 0 or bool(any_hit.all()):
+                return torch.where(any_hit, proto, torch.zeros_like(proto))
+        else:
+            proto = torch.zeros(step.y.shape[0], dtype=step.f.dtype, device=step.f.device)
+        if fallback == 0:
+            return proto
+        head = fallback * cross_entropy(step.logits, step.y, step.ok)
+        return torch.where(any_hit, proto, head)
+
+    def uses_logits(self, step: Step, prepared: Any, rows: slice) -> torch.Tensor | None:
+        if self.ce_weight == 1.0:
+            return None
+        return ~self._hits(step, prepared)[1]
+
+
 @METHOD_REGISTRY.register("fedpcl")
 class FedPCL(Method):
     """Global + per-client prototype-softmax contrast; evaluation by nearest local prototype.
@@ -110,11 +183,6 @@ class FedPCL(Method):
     name = "fedpcl"
     defaults: ClassVar[dict[str, Any]] = {"tau": 0.07, "ce_weight": 0.0}
     eval_modes = ("prototype", "classifier")
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # training batches seen this round, per client (transient, never saved)
-        self._seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def validate(self) -> None:
         """tau > 0, ce_weight >= 0."""
@@ -134,76 +202,44 @@ class FedPCL(Method):
         state["client_prototypes"] = client_tables(uploads, state, self.num_classes)
         return state
 
-    def begin_local(
-        self, model: ClientModel, state: ClientState, global_state: GlobalState, client: int
-    ) -> None:
-        """Start a fresh record of this round's training batches."""
-        self._seen[client] = []
-
-    def client_loss(
-        self, batch: Batch, global_state: GlobalState, state: ClientState
-    ) -> torch.Tensor:
-        """Global + mean per-client prototype-softmax CE (+ ``ce_weight`` * head CE)."""
-        if self.params["eval"] == "prototype":
-            self._seen.setdefault(batch.client, []).append((batch.z.detach(), batch.y.detach()))
-        head_ce = F.cross_entropy(batch.logits, batch.y)
-        if not has_prototypes(global_state):
-            return head_ce  # nothing to contrast against yet: plain CE
-        rows = class_index(global_state["classes"], self.num_classes)[batch.y]
-        mask = rows >= 0
-        if not mask.any():
-            return head_ce
-        tau = float(self.params["tau"])
-        f, t = batch.f[mask], rows[mask]
-        loss = prototype_softmax_loss(f, t, global_state["prototypes"], tau)
-        tables = global_state.get("client_prototypes")
-        if tables is not None and tables.shape[0] > 0:
-            loss = loss + prototype_softmax_loss(f, t, tables, tau)
+    def objective(self) -> LocalObjective:
+        """``ce_weight`` * head CE + the global and mean per-client prototype-softmax CE."""
         w = float(self.params["ce_weight"])
-        if w > 0:
-            loss = loss + w * head_ce
-        return loss
+        return LocalObjective(terms=(PrototypeContrast(float(self.params["tau"]), w),), ce_weight=w)
 
-    def end_local(
-        self,
-        model: ClientModel,
-        state: ClientState,
-        global_state: GlobalState,
-        client: int,
-        train_z: torch.Tensor | None = None,
-        train_y: torch.Tensor | None = None,
-    ) -> None:
-        """Recompute the client's un-noised local prototypes with its trained model."""
-        seen = self._seen.pop(client, [])
-        if train_z is None or train_y is None:
-            if not seen:
-                return
-            train_z = torch.cat([z for z, _ in seen])
-            train_y = torch.cat([y for _, y in seen])
-        self.fit_local_prototypes(model, state, train_z, train_y)
+    @property
+    def uses_training_data(self) -> bool:  # type: ignore[override]
+        """The local prototypes of ``eval: prototype`` are fitted after training."""
+        return self.params["eval"] == "prototype"
 
-    def fit_local_prototypes(
-        self, model: ClientModel, state: ClientState, z: torch.Tensor, y: torch.Tensor
-    ) -> None:
-        """Store the class means of ``model.features(z)`` as the client's local prototypes."""
-        with torch.no_grad(), eval_mode(model):  # evaluation prototypes: no dropout
-            f = model.features(z)
+    def after_training(self, state: ClientState, f: torch.Tensor, y: torch.Tensor) -> None:
+        """Store the class means of the trained model's features as the local prototypes."""
         classes = torch.unique(y)
         sums = segment_sum(f, y, self.num_classes)
         counts = torch.bincount(y, minlength=self.num_classes).to(f.dtype)
         state.tensors["local_prototypes"] = sums[classes] / counts[classes, None]
         state.tensors["local_classes"] = classes
 
-    def predict(
-        self, model: Any, z: torch.Tensor, global_state: GlobalState, state: ClientState
+    def fit_local_prototypes(
+        self, model: ClientModel, state: ClientState, z: torch.Tensor, y: torch.Tensor
+    ) -> None:
+        """:meth:`after_training` from the inputs ``z`` (eval mode, no gradient)."""
+        with torch.no_grad(), eval_mode(model):  # evaluation prototypes: no dropout
+            self.after_training(state, model.features(z), y)
+
+    def prediction(self) -> str:
+        """The head (``eval: classifier``), or :meth:`predict_from`'s cosine rule."""
+        return "classifier" if self.params["eval"] == "classifier" else "features"
+
+    def predict_from(
+        self, f: torch.Tensor, logits: torch.Tensor, global_state: GlobalState, state: ClientState
     ) -> torch.Tensor:
-        """Nearest local prototype (cosine; global ones until local exist), or the head."""
-        if self.params["eval"] == "classifier":
-            return super().predict(model, z, global_state, state)
+        """Nearest local prototype (cosine; the global ones until local ones exist; the head
+        before either)."""
         if "local_prototypes" in state.tensors:
             protos, classes = state.tensors["local_prototypes"], state.tensors["local_classes"]
         elif has_prototypes(global_state):
             protos, classes = global_state["prototypes"], global_state["classes"]
         else:
-            return super().predict(model, z, global_state, state)
-        return nearest_prototype(model.features(z), protos, classes)
+            return logits.argmax(dim=-1)
+        return nearest_prototype(f, protos.to(f.dtype), classes)

@@ -38,6 +38,7 @@ because weight averaging is outside the prototype LDP guarantee.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -45,28 +46,64 @@ import torch.nn.functional as F
 
 from protofl.methods.base import (
     METHOD_REGISTRY,
-    Batch,
     ClientState,
     GlobalState,
     Method,
     Upload,
-    lookup_targets,
 )
 from protofl.methods.finch import finch_cluster_fn
 from protofl.methods.fpl import (
     cluster_aggregate,
+    cluster_inputs,
     cluster_predict,
-    cosine_matrix,
-    has_prototypes,
     is_number,
     multi_positive_infonce,
 )
+from protofl.methods.objectives import Group, LocalObjective, Step, Term, cosine, hit_mean
 from protofl.privacy.base import ClusterFn
 
 
 def alpha_sparsity(s: torch.Tensor, alpha: float, eps: float = 1e-6) -> torch.Tensor:
     """``sign(s) * |s|^alpha`` (FedPLVM Eq. 7), finite with finite gradients everywhere."""
     return torch.sign(s) * s.abs().clamp_min(eps).pow(alpha)
+
+
+@dataclass(frozen=True)
+class AlphaSparsityContrast(Term):
+    """``lam * (L_alpha + L_corr)`` (FedPLVM Eq. 6-9), averaged over the samples whose class has
+    global prototypes; zero for a client with none in the step (module docstring)."""
+
+    lam: float
+    alpha: float
+    tau: float
+    contrast: str = "multi_positive"
+    correction: str = "mse"
+
+    def prepare(self, global_state: GlobalState, group: Group) -> Any:
+        return cluster_inputs(global_state, group) if self.lam != 0 else None
+
+    def value(self, step: Step, prepared: Any, rows: slice) -> torch.Tensor:
+        if prepared is None:
+            return torch.zeros(step.y.shape[0], dtype=step.f.dtype, device=step.f.device)
+        centres, owners, table, has = prepared
+        f, y = step.f, step.y
+        hit = has[y] & step.ok
+        s_alpha = alpha_sparsity(cosine(f, centres), self.alpha)  # [k, b, Q]
+        positive = owners == y.unsqueeze(-1)
+        safe = positive | ~hit.unsqueeze(-1)  # finite rows outside ``hit``, masked out below
+        logits = s_alpha / self.tau
+        if self.contrast == "multi_positive":
+            l_alpha = multi_positive_infonce(logits, safe)
+        else:
+            logp = torch.log_softmax(logits, dim=-1)
+            l_alpha = -(logp * safe).sum(dim=-1) / safe.sum(dim=-1)
+        if self.correction == "mse":
+            cos = F.cosine_similarity(f, table[y].to(f.dtype), dim=-1, eps=1e-8)
+            l_corr = 2.0 * (cos - 1.0) ** 2
+        else:
+            l_corr = ((s_alpha * positive).sum(dim=-1) - positive.sum(dim=-1)).abs()
+        mean = hit_mean(l_alpha + l_corr, hit)
+        return torch.where(hit.any(dim=1), self.lam * mean, torch.zeros_like(mean))
 
 
 @METHOD_REGISTRY.register("fedplvm")
@@ -125,43 +162,27 @@ class FedPLVM(Method):
         """Per-class FINCH over all uploaded centres -> global cluster prototypes, class means."""
         return cluster_aggregate(self, uploads)
 
-    def prototype_loss(
-        self, f: torch.Tensor, y: torch.Tensor, global_state: GlobalState
-    ) -> torch.Tensor:
-        """``L_alpha + L_corr`` averaged over the samples (all of whose classes have prototypes)."""
-        p = self.params
-        centres, owners = global_state["cluster_prototypes"], global_state["cluster_classes"]
-        s_alpha = alpha_sparsity(cosine_matrix(f, centres), float(p["alpha"]))
-        positive = owners[None, :] == y[:, None]
-        logits = s_alpha / float(p["tau"])
-        if p["contrast"] == "multi_positive":
-            l_alpha = multi_positive_infonce(logits, positive)
-        else:
-            logp = torch.log_softmax(logits, dim=1)
-            l_alpha = -(logp * positive).sum(dim=1) / positive.sum(dim=1)
-        if p["correction"] == "mse":
-            mean_proto, _ = lookup_targets(global_state, y, self.num_classes)
-            cos = F.cosine_similarity(f, mean_proto, dim=1, eps=1e-8)
-            l_corr = 2.0 * F.mse_loss(cos, torch.ones_like(cos))
-        else:
-            l_corr = ((s_alpha * positive).sum(dim=1) - positive.sum(dim=1)).abs().mean()
-        return l_alpha.mean() + l_corr
-
-    def client_loss(
-        self, batch: Batch, global_state: GlobalState, state: ClientState
-    ) -> torch.Tensor:
+    def objective(self) -> LocalObjective:
         """``CE + lam * (L_alpha + L_corr)`` over the samples whose class has prototypes."""
-        loss = F.cross_entropy(batch.logits, batch.y)
-        lam = float(self.params["lam"])
-        if lam == 0 or not has_prototypes(global_state, "cluster_prototypes"):
-            return loss
-        _, mask = lookup_targets(global_state, batch.y, self.num_classes)
-        if not mask.any():
-            return loss
-        return loss + lam * self.prototype_loss(batch.f[mask], batch.y[mask], global_state)
+        p = self.params
+        return LocalObjective(
+            terms=(
+                AlphaSparsityContrast(
+                    float(p["lam"]),
+                    float(p["alpha"]),
+                    float(p["tau"]),
+                    str(p["contrast"]),
+                    str(p["correction"]),
+                ),
+            )
+        )
 
-    def predict(
-        self, model: Any, z: torch.Tensor, global_state: GlobalState, state: ClientState
+    def prediction(self) -> str:
+        """The head (``eval: classifier``), or :meth:`predict_from`'s cosine rule."""
+        return "classifier" if self.params["eval"] == "classifier" else "features"
+
+    def predict_from(
+        self, f: torch.Tensor, logits: torch.Tensor, global_state: GlobalState, state: ClientState
     ) -> torch.Tensor:
-        """Classifier head, or nearest global cluster prototype (cosine) for ``eval: prototype``."""
-        return cluster_predict(self, model, z, global_state, state)
+        """The nearest global cluster prototype by cosine (``eval: prototype``)."""
+        return cluster_predict(f, logits, global_state)

@@ -24,7 +24,10 @@ cached backbone that would recompute the backbone on every augmented image (or c
 every client's features per client's statistics), so it is not offered.
 
 Every draw comes from a generator seeded by (experiment seed, client, local step counter), the
-counter kept in the client state, so runs and resumed runs repeat.
+counter kept in the client state, so runs and resumed runs repeat.  The normalisation is the
+objective's input transform (:class:`RandomDomainNormalisation`), which every executor applies
+before the model's forward pass, so with DCR on the soft clip and the teacher see the normalised
+inputs too.
 
 Privacy: the weights and the statistics leave every client without noise; FedRDN releases no
 prototypes, so a run with it has no DP guarantee (the statement names both).
@@ -33,20 +36,20 @@ prototypes, so a run with it has no DP guarantee (the statement names both).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from protofl.methods.base import (
     METHOD_REGISTRY,
-    Batch,
     ClientState,
     GlobalState,
     Method,
     Upload,
 )
 from protofl.methods.fpl import is_number
+from protofl.methods.objectives import Group, InputTransform, LocalObjective
 from protofl.models.client import ClientModel
 from protofl.seeding import method_generator
 
@@ -73,6 +76,94 @@ def input_statistics(
 def normalise(z: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     """``(z - mu) / sigma`` (FedRDN's normalisation; row-wise when ``mu`` has one row per z)."""
     return (z - mu.to(z.device, z.dtype)) / sigma.to(z.device, z.dtype)
+
+
+def draw(
+    global_state: GlobalState, seed: int, include_self: bool, client: int, n: int, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample ``(mu^j, sigma^j)`` rows, ``j`` uniform over the shared set (without the
+    client's own row when ``include_self`` is false and another exists), from the generator of
+    (``seed``, client, step)."""
+    ids = global_state[CLIENTS].tolist()
+    rows = [i for i, c in enumerate(ids) if include_self or int(c) != client]
+    rows = rows or list(range(len(ids)))
+    gen = method_generator(seed, STREAM, client, step)
+    pick = torch.tensor(rows)[torch.randint(len(rows), (n,), generator=gen)]
+    return global_state[MEAN][pick], global_state[STD][pick]
+
+
+@dataclass
+class _Draws:
+    """A group's per-round inputs of :class:`RandomDomainNormalisation`."""
+
+    global_state: GlobalState
+    states: list[ClientState]
+    clients: list[int]
+    first_step: list[int]
+
+
+@dataclass(frozen=True)
+class RandomDomainNormalisation(InputTransform):
+    """FedRDN's augmentation: each training input normalised with a randomly drawn client's
+    statistics (a fresh draw per sample and step); evaluation with the client's own statistics
+    (``local``) or the mean of the shared ones (``federation``)."""
+
+    # the run's seed keys the draws; runs that differ only in it share one objective (fused)
+    seed: int = field(compare=False)
+    include_self: bool = True
+    eval_stats: str = "local"
+
+    def prepare(self, global_state: GlobalState, group: Group) -> Any:
+        if len(group.clients) != len(group.states):
+            raise ValueError("fedrdn: the executor did not say which clients it trains")
+        states = list(group.states)
+        first = [int(s.tensors.get(STEP, torch.tensor(0))) for s in states]
+        return _Draws(global_state, states, [int(c) for c in group.clients], first)
+
+    def train(
+        self, z: torch.Tensor, ok: torch.Tensor, prepared: Any, rows: slice, step: int
+    ) -> torch.Tensor:
+        gs = prepared.global_state
+        if CLIENTS not in gs:  # nothing shared yet: the plain inputs
+            return z
+        k, b, d = z.shape
+        mu = torch.zeros(k, b, d, dtype=z.dtype, device=z.device)
+        sd = torch.ones(k, b, d, dtype=z.dtype, device=z.device)
+        counts = ok.sum(dim=1).tolist()  # valid rows come first
+        start = rows.start or 0
+        for i in range(k):
+            client = prepared.clients[start + i]
+            m, s = draw(
+                gs,
+                self.seed,
+                self.include_self,
+                client,
+                int(counts[i]),
+                prepared.first_step[start + i] + step,
+            )
+            mu[i, : len(m)] = m.to(z.device, z.dtype)
+            sd[i, : len(s)] = s.to(z.device, z.dtype)
+        return (z - mu) / sd
+
+    def finish(self, prepared: Any, steps: Sequence[int]) -> None:
+        for state, first, n in zip(prepared.states, prepared.first_step, steps, strict=True):
+            state.tensors[STEP] = torch.tensor(first + int(n))
+
+    def evaluate(
+        self, z: torch.Tensor, global_state: GlobalState, states: Sequence[Any]
+    ) -> torch.Tensor | None:
+        if self.eval_stats == "federation" and CLIENTS in global_state:
+            mu, sd = global_state[MEAN].mean(dim=0), global_state[STD].mean(dim=0)
+            return normalise(z, mu, sd).unsqueeze(0).expand(len(states), -1, -1)
+        if not any(MEAN in s.tensors for s in states):
+            return None
+        # a client without statistics yet (before its first upload) keeps the plain input
+        return torch.stack(
+            [
+                normalise(z, s.tensors[MEAN], s.tensors[STD]) if MEAN in s.tensors else z
+                for s in states
+            ]
+        )
 
 
 @METHOD_REGISTRY.register("fedrdn")
@@ -120,46 +211,14 @@ class FedRDN(Method):
         state.tensors[MEAN], state.tensors[STD] = mu.cpu(), sd.cpu()
         return {"mean": mu.cpu(), "std": sd.cpu()}
 
-    def draw(
-        self, global_state: GlobalState, client: int, n: int, step: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-sample ``(mu^j, sigma^j)`` rows, ``j`` uniform over the shared set (without the
-        client's own row when ``include_self`` is false and another exists)."""
-        ids = global_state[CLIENTS].tolist()
-        rows = [i for i, c in enumerate(ids) if self.params["include_self"] or int(c) != client]
-        rows = rows or list(range(len(ids)))
-        gen = method_generator(self.seed, STREAM, client, step)
-        pick = torch.tensor(rows)[torch.randint(len(rows), (n,), generator=gen)]
-        return global_state[MEAN][pick], global_state[STD][pick]
-
-    def client_loss(
-        self, batch: Batch, global_state: GlobalState, state: ClientState
-    ) -> torch.Tensor:
-        """Cross-entropy on the batch normalised with randomly drawn client statistics."""
-        step = int(state.tensors.get(STEP, torch.tensor(0)))
-        state.tensors[STEP] = torch.tensor(step + 1)
-        if CLIENTS not in global_state:  # nothing shared yet: the plain batch
-            return F.cross_entropy(batch.logits, batch.y)
-        mu, sd = self.draw(global_state, batch.client, len(batch.y), step)
-        _, logits = batch.model(normalise(batch.z, mu, sd))
-        return F.cross_entropy(logits, batch.y)
-
-    def predict(
-        self,
-        model: ClientModel,
-        z: torch.Tensor,
-        global_state: GlobalState,
-        state: ClientState,
-    ) -> torch.Tensor:
-        """The head's argmax on ``z`` normalised with the client's own statistics (``local``)
-        or the mean of the shared ones (``federation``)."""
-        if self.params["eval_stats"] == "federation" and CLIENTS in global_state:
-            mu, sd = global_state[MEAN].mean(dim=0), global_state[STD].mean(dim=0)
-        elif MEAN in state.tensors:
-            mu, sd = state.tensors[MEAN], state.tensors[STD]
-        else:  # no statistics yet (before the first upload): the plain input
-            return model(z)[1].argmax(dim=1)
-        return model(normalise(z, mu, sd))[1].argmax(dim=1)
+    def objective(self) -> LocalObjective:
+        """Cross-entropy on inputs normalised with randomly drawn client statistics."""
+        p = self.params
+        return LocalObjective(
+            inputs=RandomDomainNormalisation(
+                self.seed, bool(p["include_self"]), str(p["eval_stats"])
+            )
+        )
 
     # ----- server -------------------------------------------------------------------------------
     def aggregate(self, uploads: Sequence[Upload], round_index: int) -> GlobalState:

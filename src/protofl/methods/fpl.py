@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -42,14 +43,22 @@ import torch.nn.functional as F
 
 from protofl.methods.base import (
     METHOD_REGISTRY,
-    Batch,
     ClientState,
     GlobalState,
     Method,
     Upload,
-    lookup_targets,
 )
 from protofl.methods.finch import cluster_per_class
+from protofl.methods.objectives import (
+    Group,
+    LocalObjective,
+    PrototypePull,
+    Step,
+    Term,
+    cosine,
+    hit_mean,
+    prototype_table,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +70,50 @@ def cosine_matrix(f: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def multi_positive_infonce(logits: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
-    """Per-sample ``-log(sum_pos exp(l) / sum_all exp(l))`` ([B]), computed with logsumexp.
+    """Per-sample ``-log(sum_pos exp(l) / sum_all exp(l))`` ([..., B]), computed with logsumexp.
 
-    ``logits`` [B, Q] are similarities already divided by the temperature; ``positive`` [B, Q]
-    is a boolean mask with at least one True per row.
+    ``logits`` [..., B, Q] are similarities already divided by the temperature; ``positive``
+    [..., B, Q] is a boolean mask with at least one True per row.
     """
     pos = logits.masked_fill(~positive, float("-inf"))
-    return torch.logsumexp(logits, dim=1) - torch.logsumexp(pos, dim=1)
+    return torch.logsumexp(logits, dim=-1) - torch.logsumexp(pos, dim=-1)
+
+
+def cluster_inputs(global_state: GlobalState, group: Group) -> Any:
+    """What the cluster-prototype terms of FPL and FedPLVM read: the cluster prototypes, their
+    classes, the class-mean table and which classes have one; None before any arrived."""
+    if not has_prototypes(global_state, "cluster_prototypes"):
+        return None
+    found = prototype_table(global_state, group.num_classes)
+    if found is None:
+        return None
+    table, has = found
+    return global_state["cluster_prototypes"], global_state["cluster_classes"], table, has
+
+
+@dataclass(frozen=True)
+class ClusterContrast(Term):
+    """``weight * L_CPCL`` (FPL Eq. 5): the multi-positive InfoNCE of ``cos(f, G^k_c) / T`` over
+    every cluster prototype, the positives those of the sample's class, averaged over the
+    samples whose class has a global prototype; zero for a client with none in the step."""
+
+    weight: float
+    temperature: float
+
+    def prepare(self, global_state: GlobalState, group: Group) -> Any:
+        return cluster_inputs(global_state, group) if self.weight != 0 else None
+
+    def value(self, step: Step, prepared: Any, rows: slice) -> torch.Tensor:
+        if prepared is None:
+            return torch.zeros(step.y.shape[0], dtype=step.f.dtype, device=step.f.device)
+        centres, owners, _, has = prepared
+        hit = has[step.y] & step.ok
+        logits = cosine(step.f, centres) / self.temperature
+        # rows outside ``hit`` get every prototype as a positive: finite, then masked out
+        positive = (owners == step.y.unsqueeze(-1)) | ~hit.unsqueeze(-1)
+        per = multi_positive_infonce(logits, positive)
+        mean = hit_mean(per, hit)
+        return torch.where(hit.any(dim=1), self.weight * mean, torch.zeros_like(mean))
 
 
 def class_index(classes: torch.Tensor, num_classes: int) -> torch.Tensor:
@@ -127,17 +173,13 @@ def cluster_aggregate(method: Method, uploads: Sequence[Upload]) -> GlobalState:
 
 
 def cluster_predict(
-    method: Method, model: Any, z: torch.Tensor, global_state: GlobalState, state: ClientState
+    f: torch.Tensor, logits: torch.Tensor, global_state: GlobalState
 ) -> torch.Tensor:
-    """FPL/FedPLVM prediction: the classifier head (``eval: classifier``, or before any cluster
-    prototype arrived), else the nearest global cluster prototype by cosine."""
-    if method.params["eval"] == "classifier" or not has_prototypes(
-        global_state, "cluster_prototypes"
-    ):
-        return Method.predict(method, model, z, global_state, state)
-    return nearest_prototype(
-        model.features(z), global_state["cluster_prototypes"], global_state["cluster_classes"]
-    )
+    """FPL/FedPLVM's ``eval: prototype``: the nearest global cluster prototype by cosine, or
+    the head's argmax before any cluster prototype arrived."""
+    if not has_prototypes(global_state, "cluster_prototypes"):
+        return logits.argmax(dim=-1)
+    return nearest_prototype(f, global_state["cluster_prototypes"], global_state["cluster_classes"])
 
 
 def has_prototypes(global_state: GlobalState, key: str = "prototypes") -> bool:
@@ -192,32 +234,26 @@ class FPL(Method):
         """Per-class FINCH over all uploaded prototypes -> cluster prototypes and their mean."""
         return cluster_aggregate(self, uploads)
 
-    def client_loss(
-        self, batch: Batch, global_state: GlobalState, state: ClientState
-    ) -> torch.Tensor:
-        """``CE + w_contrast * L_CPCL + w_mse * L_UPCR`` (FPL Eq. 7)."""
-        loss = F.cross_entropy(batch.logits, batch.y)
-        if not has_prototypes(global_state, "cluster_prototypes"):
-            return loss
-        target, mask = lookup_targets(global_state, batch.y, self.num_classes)
-        if not mask.any():
-            return loss
-        f, y = batch.f[mask], batch.y[mask]
-        w_c, w_m = float(self.params["w_contrast"]), float(self.params["w_mse"])
-        if w_c > 0:
-            centres, owners = global_state["cluster_prototypes"], global_state["cluster_classes"]
-            logits = cosine_matrix(f, centres) / float(self.params["temperature"])
-            positive = owners[None, :] == y[:, None]
-            loss = loss + w_c * multi_positive_infonce(logits, positive).mean()
-        if w_m > 0:
-            loss = loss + w_m * F.mse_loss(f, target[mask])
-        return loss
+    def objective(self) -> LocalObjective:
+        """``CE + w_contrast * L_CPCL + w_mse * L_UPCR`` (FPL Eq. 7); L_UPCR is the MSE to the
+        unbiased prototype ``U_y`` (the broadcast ``prototypes``)."""
+        p = self.params
+        return LocalObjective(
+            terms=(
+                ClusterContrast(float(p["w_contrast"]), float(p["temperature"])),
+                PrototypePull(float(p["w_mse"])),
+            )
+        )
 
-    def predict(
-        self, model: Any, z: torch.Tensor, global_state: GlobalState, state: ClientState
+    def prediction(self) -> str:
+        """The head (``eval: classifier``), or :meth:`predict_from`'s cosine rule."""
+        return "classifier" if self.params["eval"] == "classifier" else "features"
+
+    def predict_from(
+        self, f: torch.Tensor, logits: torch.Tensor, global_state: GlobalState, state: ClientState
     ) -> torch.Tensor:
-        """Classifier head, or nearest cluster prototype (cosine) with ``eval: prototype``."""
-        return cluster_predict(self, model, z, global_state, state)
+        """The nearest cluster prototype by cosine (``eval: prototype``)."""
+        return cluster_predict(f, logits, global_state)
 
 
 def is_number(v: Any) -> bool:

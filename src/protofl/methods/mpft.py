@@ -20,15 +20,18 @@ The server trains on released prototypes only: post-processing, no extra privacy
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from protofl.methods.base import METHOD_REGISTRY, Batch, ClientState, GlobalState, Method, Upload
+from protofl.methods.base import METHOD_REGISTRY, GlobalState, Method, Upload
 from protofl.methods.fedtgp import single_thread, stack_uploads
+from protofl.methods.objectives import Group, LocalObjective, Step, Term
 from protofl.models.client import ClientModel, ResidualAdapter, init_parameters
+from protofl.privacy.dcr import distillation
 from protofl.seeding import method_generator
 
 PREFIX = "mpft."
@@ -48,25 +51,42 @@ class ServerModel(nn.Module):
 
 
 def teacher_logits(u: torch.Tensor, gs: GlobalState, *, use_adapter: bool) -> torch.Tensor:
-    """The broadcast server model applied to ``u`` (with or without its adapter)."""
+    """The broadcast server model applied to ``u`` [..., d] (with or without its adapter)."""
     if use_adapter:
         hid = torch.relu(u @ gs[PREFIX + "adapter.down.weight"].T)
         u = u + hid @ gs[PREFIX + "adapter.up.weight"].T
     return u @ gs[PREFIX + "head.weight"].T + gs[PREFIX + "head.bias"]
 
 
-def distillation_kl(
-    student: torch.Tensor, teacher: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    """``T^2 * KL(softmax(teacher/T) || softmax(student/T))``, mean over the batch."""
-    t = temperature
-    return (
-        F.kl_div(
-            F.log_softmax(student / t, dim=1), F.softmax(teacher / t, dim=1), reduction="batchmean"
-        )
-        * t
-        * t
-    )
+@dataclass(frozen=True)
+class ServerDistillation(Term):
+    """``beta * T^2 * KL(softmax(t/T) || softmax(s/T))`` (VPDR's MPFT objective): student logits
+    ``s = h(f)``, teacher logits ``t`` of the broadcast server model on the feature the
+    prototypes were made of (``proj(z)``, or the raw ``f``), computed without gradient."""
+
+    beta: float
+    temperature: float
+    use_adapter: bool
+    source: str = "projection"
+
+    def prepare(self, global_state: GlobalState, group: Group) -> Any:
+        if self.beta == 0 or PREFIX + "head.weight" not in global_state:
+            return None
+        return {k: v for k, v in global_state.items() if k.startswith(PREFIX)}
+
+    def value(self, step: Step, prepared: Any, rows: slice) -> torch.Tensor:
+        if prepared is None:
+            return torch.zeros(step.y.shape[0], dtype=step.f.dtype, device=step.f.device)
+        with torch.no_grad():
+            if self.source == "projection":
+                if step.model is None or step.z is None:
+                    raise ValueError("mpft: the executor gave the step no model view or inputs")
+                u = step.model.project(step.z)
+            else:
+                u = (step.f_raw if step.f_raw is not None else step.f).detach()
+            t = teacher_logits(u, prepared, use_adapter=self.use_adapter)
+        kd = distillation(step.logits, t, self.temperature, step.ok)
+        return self.beta * self.temperature**2 * kd
 
 
 @METHOD_REGISTRY.register("mpft")
@@ -117,22 +137,19 @@ class MPFT(Method):
             return model.proj(z)
         return model.features(z)
 
-    def client_loss(
-        self, batch: Batch, global_state: GlobalState, state: ClientState
-    ) -> torch.Tensor:
+    def objective(self) -> LocalObjective:
         """CE + beta * T^2 * KL(teacher || student) (VPDR's MPFT objective)."""
-        loss = F.cross_entropy(batch.logits, batch.y)
-        beta = float(self.params["beta"])
-        if beta == 0 or PREFIX + "head.weight" not in global_state:
-            return loss
-        with torch.no_grad():
-            if self.params["prototype_source"] == "projection":
-                u = batch.model.proj(batch.z)
-            else:
-                u = batch.f_raw.detach()
-            t = teacher_logits(u, global_state, use_adapter=self.params["teacher"] == "server")
-        kd = distillation_kl(batch.logits, t, float(self.params["temperature"]))
-        return loss + beta * kd
+        p = self.params
+        return LocalObjective(
+            terms=(
+                ServerDistillation(
+                    float(p["beta"]),
+                    float(p["temperature"]),
+                    p["teacher"] == "server",
+                    str(p["prototype_source"]),
+                ),
+            )
+        )
 
     # ----- server side ----------------------------------------------------------------------
     def build_server_model(self) -> ServerModel:

@@ -11,6 +11,13 @@ Shapes in a :class:`Step`: features ``f`` [k, b, d] (after DCR's soft clip when 
 fewer samples in the step) and the clients' trainable parameters ``params[name]`` [k, ...].
 Every kernel returns one loss per client, [k]: the mean over that client's valid rows.
 
+A term that needs more than ``f`` and the logits reads the step's inputs ``z`` (as the model saw
+them), the raw feature ``f_raw`` (before DCR's soft clip) and ``model``, a :class:`ModelView` of
+the step's clients (their features under other parameters: MOON's reference models; the
+projection alone: MPFT's teacher input).  An objective may also change the inputs before the
+model sees them (:class:`InputTransform`: FedRDN's normalisation) and weight the cross-entropy
+(``ce_weight``; FedPCL trains without it).
+
 Two kinds of terms:
 
 * feature terms (:class:`PrototypePull`): functions of ``f``/``logits``, differentiated by
@@ -35,9 +42,28 @@ import torch.nn.functional as F
 
 GlobalState = dict[str, torch.Tensor]
 
-PREDICTION_RULES = ("classifier", "prototype")
-"""Evaluation rules every executor implements: the classifier head's argmax, or the nearest
-global prototype (L2) of the feature ``f``."""
+PREDICTION_RULES = ("classifier", "prototype", "features")
+"""Evaluation rules every executor implements: the classifier head's argmax, the nearest
+global prototype (L2) of the feature ``f``, or ``features``: the method's own
+``Method.predict_from`` on ``f`` and the head's logits (cosine rules, ensembles of heads)."""
+
+
+class ModelView(ABC):
+    """What a term may compute with the models of a step's ``k`` clients besides the step's own
+    forward pass: no gradient flows through it."""
+
+    @abstractmethod
+    def features(self, z: torch.Tensor, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The feature ``f`` of inputs ``z`` [k, b, d_in] under the clients' parameters with the
+        named ones replaced by ``params`` [k, ...] (state-dict names): [k, b, d]."""
+
+    @abstractmethod
+    def project(self, z: torch.Tensor) -> torch.Tensor:
+        """The projection alone (no adapter) of ``z`` [k, b, d_in]: [k, b, d]."""
+
+    @abstractmethod
+    def select(self, at: torch.Tensor) -> ModelView:
+        """The view of the clients at positions ``at``."""
 
 
 @dataclass
@@ -49,17 +75,38 @@ class Step:
     y: torch.Tensor
     ok: torch.Tensor
     params: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    z: torch.Tensor | None = None
+    f_raw: torch.Tensor | None = None
+    model: ModelView | None = None
+
+    def select(self, at: torch.Tensor) -> Step:
+        """The step of the clients at positions ``at`` (a run's segment of a fused group)."""
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, at.to(t.device))
+
+        return Step(
+            f=self.f.index_select(0, at),
+            logits=self.logits.index_select(0, at),
+            y=self.y.index_select(0, at),
+            ok=self.ok.index_select(0, at),
+            params={n: p.index_select(0, at) for n, p in self.params.items()},
+            z=pick(self.z),
+            f_raw=pick(self.f_raw),
+            model=None if self.model is None else self.model.select(at),
+        )
 
 
 @dataclass(frozen=True)
 class Group:
     """The clients a term is prepared for, in executor order: their method states
-    (:class:`~protofl.methods.base.ClientState`), their domain labels (-1: none reported) and
-    the number of classes."""
+    (:class:`~protofl.methods.base.ClientState`), their domain labels (-1: none reported), the
+    number of classes and the clients' ids (empty where the caller does not know them)."""
 
     states: Sequence[Any]
     domains: Sequence[int]
     num_classes: int
+    clients: Sequence[int] = ()
 
 
 # ----- kernels ---------------------------------------------------------------------------------
@@ -67,6 +114,21 @@ def masked_mean(values: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     """Per-client mean of ``values`` [k, b] over the valid rows ``ok`` [k, b] -> [k]."""
     okf = ok.to(values.dtype)
     return (values * okf).sum(dim=1) / okf.sum(dim=1)
+
+
+def hit_mean(values: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
+    """Per-client mean of ``values`` [k, b] over the rows ``hit`` [k, b], 0 for a client with
+    none; rows outside ``hit`` may hold anything finite."""
+    hf = hit.to(values.dtype)
+    return (values * hf).sum(dim=1) / hf.sum(dim=1).clamp_min(1)
+
+
+def cosine(f: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``cos(f, p)`` of every feature with every prototype: [k, b, d] x [Q, d] (or [k, Q, d])
+    -> [k, b, Q]; a zero vector has cosine 0 to everything."""
+    pn = F.normalize(p.to(f.dtype), dim=-1, eps=1e-8)
+    fn = F.normalize(f, dim=-1, eps=1e-8)
+    return fn @ (pn.T if pn.dim() == 2 else pn.transpose(-1, -2))
 
 
 def cross_entropy(logits: torch.Tensor, y: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
@@ -148,6 +210,13 @@ class Term(ABC):
         """Per-round inputs of the term for this group of clients (default: none)."""
         return None
 
+    def uses_logits(self, step: Step, prepared: Any, rows: slice) -> torch.Tensor | None:
+        """Which clients' term value depends on the head's logits ([k] bool); None: none
+        (the default).  Read only when the objective has no cross-entropy (``ce_weight`` 0):
+        a client whose loss never reaches the head takes no optimiser step on it, as a
+        parameter without a gradient takes none in torch."""
+        return None
+
     @abstractmethod
     def value(self, step: Step, prepared: Any, rows: slice) -> torch.Tensor:
         """The term per client, [k]."""
@@ -208,11 +277,40 @@ class Proximal(Term):
         return {n: self.mu * (params[n] - a[rows]) for n, a in prepared.items()}
 
 
+class InputTransform(ABC):
+    """A change of a client's inputs before its model sees them (FedRDN's normalisation with
+    other clients' statistics), declared by the objective; every executor applies it."""
+
+    def prepare(self, global_state: GlobalState, group: Group) -> Any:
+        """Per-round inputs for this group of clients, before their first local step."""
+        return None
+
+    @abstractmethod
+    def train(
+        self, z: torch.Tensor, ok: torch.Tensor, prepared: Any, rows: slice, step: int
+    ) -> torch.Tensor:
+        """The inputs of local step ``step`` (0-based, this round) of rows ``rows``:
+        ``z`` [k, b, d_in], ``ok`` [k, b] (valid rows first) -> [k, b, d_in]."""
+
+    def finish(self, prepared: Any, steps: Sequence[int]) -> None:  # noqa: B027 - optional hook
+        """After local training, with each client's number of steps (group order)."""
+
+    def evaluate(
+        self, z: torch.Tensor, global_state: GlobalState, states: Sequence[Any]
+    ) -> torch.Tensor | None:
+        """The test inputs ``z`` [T, d_in] of each client, [len(states), T, d_in]; None:
+        unchanged for every client (the default)."""
+        return None
+
+
 @dataclass(frozen=True)
 class LocalObjective:
-    """Cross-entropy plus ``terms``: the whole local objective of a method that declares it."""
+    """``ce_weight`` x cross-entropy plus ``terms``, on inputs changed by ``inputs`` (if
+    any): the whole local objective of a method that declares it."""
 
     terms: tuple[Term, ...] = ()
+    ce_weight: float = 1.0
+    inputs: InputTransform | None = None
 
     @property
     def feature_terms(self) -> tuple[Term, ...]:
@@ -228,20 +326,40 @@ class LocalObjective:
         """Every term's per-round inputs, in term order."""
         return [t.prepare(global_state, group) for t in self.terms]
 
+    def _cross_entropy(self, step: Step) -> torch.Tensor:
+        if self.ce_weight == 0:  # the head's logits stay out of the graph
+            return torch.zeros(step.y.shape[0], dtype=step.f.dtype, device=step.f.device)
+        ce = cross_entropy(step.logits, step.y, step.ok)
+        return ce if self.ce_weight == 1 else self.ce_weight * ce
+
     def loss(self, step: Step, prepared: Sequence[Any], rows: slice) -> torch.Tensor:
         """Cross-entropy + every term, per client [k] (the per-client loop's whole loss)."""
-        out = cross_entropy(step.logits, step.y, step.ok)
+        out = self._cross_entropy(step)
         for term, prep in zip(self.terms, prepared):
             out = out + term.value(step, prep, rows)
         return out
 
     def feature_loss(self, step: Step, prepared: Sequence[Any], rows: slice) -> torch.Tensor:
         """Cross-entropy + the feature terms, per client [k]."""
-        out = cross_entropy(step.logits, step.y, step.ok)
+        out = self._cross_entropy(step)
         for term, prep in zip(self.terms, prepared):
             if not term.on_params:
                 out = out + term.value(step, prep, rows)
         return out
+
+    def uses_logits(self, step: Step, prepared: Sequence[Any], rows: slice) -> torch.Tensor | None:
+        """Which clients' loss reaches the head ([k] bool); None: every client's (it has a
+        cross-entropy, or a parameter term)."""
+        if self.ce_weight != 0 or any(
+            t.on_params and p is not None for t, p in zip(self.terms, prepared)
+        ):
+            return None
+        live = torch.zeros(step.y.shape[0], dtype=torch.bool, device=step.y.device)
+        for term, prep in zip(self.terms, prepared):
+            used = term.uses_logits(step, prep, rows)
+            if used is not None:
+                live = live | used
+        return live
 
     def param_loss(
         self, params: Mapping[str, torch.Tensor], prepared: Sequence[Any], rows: slice, k: int
