@@ -16,6 +16,10 @@ timings are in this process's clock, after imports: process start-up is in the s
 Every timing is repeated ``--repeat`` times (default 2), interleaved, and the least is reported
 (with all of them): the machine may be shared.
 
+The same comparison is also timed as a user meets it, whole commands in their own processes
+(``cli_*``): ``protofl run`` of one point (IGPP and VPDR) against ``protofl sweep`` of the
+6-point grid (fused, ``--jobs``), each from interpreter start to exit.
+
 Usage: python benchmarks/bench_fused.py [--rounds 5] [--jobs N] [--repeat 2]
 """
 
@@ -25,6 +29,9 @@ import argparse
 import json
 import os
 import platform
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -70,6 +77,53 @@ def timed_sweep(
     return wall, acc, rounds_s
 
 
+def protofl_command() -> list[str]:
+    """The ``protofl`` command of this interpreter's environment."""
+    exe = shutil.which("protofl", path=str(Path(sys.executable).parent))
+    return [exe] if exe else [sys.executable, "-m", "protofl.cli"]
+
+
+def cli_wall(args: list[str]) -> float:
+    """Seconds of one whole ``protofl`` command, from process start to exit."""
+    t0 = time.perf_counter()
+    subprocess.run([*protofl_command(), *args], check=True, capture_output=True, text=True)
+    return time.perf_counter() - t0
+
+
+def cli_walls(rounds: int, jobs: int, out: Path) -> dict[str, float]:
+    """Whole-command wall seconds: ``protofl run`` of each mechanism and ``protofl sweep`` of
+    the 6-point grid (fused)."""
+    sets = [
+        "--set",
+        "federation.execution=batched",
+        "--set",
+        f"federation.rounds={rounds}",
+        "--set",
+        "run.progress=false",
+    ]
+    walls = {}
+    for mech in MECHANISMS:
+        walls[f"cli-one-{mech}"] = cli_wall(
+            ["run", "--quiet", "--out", str(out / f"one-{mech}"), *sets,
+             "--set", f"privacy.mechanism={mech}"]
+        )  # fmt: skip
+    sweep = out / "sweep.yaml"
+    sweep.write_text(
+        json.dumps(
+            {
+                "name": "fused-cli",
+                "base": base(rounds),
+                "grid": {"seed": SEEDS, "privacy.mechanism": MECHANISMS},
+            }
+        )
+    )
+    walls["cli-fused"] = cli_wall(
+        ["sweep", str(sweep), "--jobs", str(jobs), "--out", str(out / "fused-cli"),
+         "--quiet", "--no-table"]
+    )  # fmt: skip
+    return walls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -102,10 +156,13 @@ def main() -> None:
             walls.setdefault("fused", []).append(wall)
             if rep == 0 or wall <= min(walls["fused"]):
                 fused_rounds = rs
+            for name, wall in cli_walls(args.rounds, args.jobs, out).items():
+                walls.setdefault(name, []).append(wall)
     best = {k: min(v) for k, v in walls.items()}
     one = {mech: best[f"one-{mech}"] for mech in MECHANISMS}
     sep_wall, fused_wall = best["separate"], best["fused"]
     one_run = sum(one.values()) / len(one)
+    cli_one = sum(best[f"cli-one-{mech}"] for mech in MECHANISMS) / len(MECHANISMS)
     diff = max(abs(sep_acc[k] - fused_acc[k]) for k in sep_acc)
     print(
         json.dumps(
@@ -128,6 +185,9 @@ def main() -> None:
                 "fused_over_one_run": round(fused_wall / one_run, 2),
                 "separate_over_one_run": round(sep_wall / one_run, 2),
                 "separate_over_fused": round(sep_wall / fused_wall, 2),
+                "cli_one_run_s": {m: round(best[f"cli-one-{m}"], 2) for m in MECHANISMS},
+                "cli_fused_s": round(best["cli-fused"], 2),
+                "cli_fused_over_one_run": round(best["cli-fused"] / cli_one, 2),
                 "avg_acc_separate": {k: round(v, 6) for k, v in sep_acc.items()},
                 "avg_acc_fused": {k: round(v, 6) for k, v in fused_acc.items()},
                 "max_abs_acc_diff": diff,

@@ -507,6 +507,8 @@ def main() -> None:
             "m10000_avg_acc": results["m10000"]["avg_acc"],
             # a fused 3 seeds x 2 mechanisms sweep over one run's wall time (target: 2x)
             "fused_over_one_run": results["fused"]["fused_over_one_run"],
+            # the same as whole commands: protofl sweep (fused) over protofl run
+            "fused_over_one_run_cli": results["fused"]["cli_fused_over_one_run"],
             "separate_over_one_run": results["fused"]["separate_over_one_run"],
         }
     )
@@ -606,7 +608,9 @@ def print_table(r: dict[str, Any]) -> None:
     print(
         f"\nsweep of 3 seeds x 2 mechanisms, {f['jobs']} jobs: one run {f['one_run_s']} s, "
         f"6 runs separately {f['separate_s']:.1f} s (x{f['separate_over_one_run']:.2f} one run), "
-        f"fused {f['fused_s']:.1f} s (x{f['fused_over_one_run']:.2f})"
+        f"fused {f['fused_s']:.1f} s (x{f['fused_over_one_run']:.2f}); as whole commands: "
+        f"protofl run {f['cli_one_run_s']} s, protofl sweep {f['cli_fused_s']:.1f} s "
+        f"(x{f['cli_fused_over_one_run']:.2f})"
     )
     print(
         f"batched training over its floor: M=100 {r['batched_over_floor_m100']:.2f}x, "
