@@ -133,7 +133,7 @@ class ModelContrast(Term):
 
     def value(self, step: Step, prepared: Any, rows: slice) -> torch.Tensor:
         if prepared is None:
-            return torch.zeros(step.y.shape[0], dtype=step.f.dtype, device=step.f.device)
+            return step.zeros()
         if step.model is None or step.z is None:
             raise ValueError("moon: the executor gave the step no model view or inputs")
         glob, prev = ({n: t[rows] for n, t in snap.items()} for snap in prepared)

@@ -99,7 +99,7 @@ class FrozenHeads(Term):
 
     def value(self, step: Step, prepared: Any, rows: slice) -> torch.Tensor:
         if prepared is None:
-            return torch.zeros(step.y.shape[0], dtype=step.f.dtype, device=step.f.device)
+            return step.zeros()
         heads, others = prepared
         others = others[rows].to(step.f.device)
         logits = apply_heads(heads, step.f)  # [k, J, b, C]

@@ -178,7 +178,7 @@ class DomainAlignment(Term):
 
     def value(self, step: Step, prepared: Any, rows: slice) -> torch.Tensor:
         if prepared is None:
-            return torch.zeros(step.y.shape[0], dtype=step.f.dtype)
+            return step.zeros()
         table, has = prepared
         return self.weight * dpa_kernel(step.f, step.y, step.ok, table[rows], has[rows])
 
@@ -199,7 +199,7 @@ class CrossDomainContrast(Term):
 
     def value(self, step: Step, prepared: Any, rows: slice) -> torch.Tensor:
         if prepared is None:
-            return torch.zeros(step.y.shape[0], dtype=step.f.dtype)
+            return step.zeros()
         protos, classes, other = prepared
         return self.weight * cpcl_kernel(
             step.f, step.y, step.ok, protos, classes, other[rows], self.tau

@@ -160,7 +160,7 @@ class PrototypeContrast(Term):
             if fallback == 0 or bool(any_hit.all()):
                 return torch.where(any_hit, proto, torch.zeros_like(proto))
         else:
-            proto = torch.zeros(step.y.shape[0], dtype=step.f.dtype, device=step.f.device)
+            proto = step.zeros()
         if fallback == 0:
             return proto
         head = fallback * cross_entropy(step.logits, step.y, step.ok)

@@ -84,7 +84,7 @@ class AlphaSparsityContrast(Term):
 
     def value(self, step: Step, prepared: Any, rows: slice) -> torch.Tensor:
         if prepared is None:
-            return torch.zeros(step.y.shape[0], dtype=step.f.dtype, device=step.f.device)
+            return step.zeros()
         centres, owners, table, has = prepared
         f, y = step.f, step.y
         hit = has[y] & step.ok

@@ -105,7 +105,7 @@ class ClusterContrast(Term):
 
     def value(self, step: Step, prepared: Any, rows: slice) -> torch.Tensor:
         if prepared is None:
-            return torch.zeros(step.y.shape[0], dtype=step.f.dtype, device=step.f.device)
+            return step.zeros()
         centres, owners, _, has = prepared
         hit = has[step.y] & step.ok
         logits = cosine(step.f, centres) / self.temperature

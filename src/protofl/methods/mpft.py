@@ -76,7 +76,7 @@ class ServerDistillation(Term):
 
     def value(self, step: Step, prepared: Any, rows: slice) -> torch.Tensor:
         if prepared is None:
-            return torch.zeros(step.y.shape[0], dtype=step.f.dtype, device=step.f.device)
+            return step.zeros()
         with torch.no_grad():
             if self.source == "projection":
                 if step.model is None or step.z is None:

@@ -79,6 +79,10 @@ class Step:
     f_raw: torch.Tensor | None = None
     model: ModelView | None = None
 
+    def zeros(self) -> torch.Tensor:
+        """A zero loss for every client of the step, [k] (a term with nothing to add)."""
+        return torch.zeros(self.y.shape[0], dtype=self.f.dtype, device=self.f.device)
+
     def select(self, at: torch.Tensor) -> Step:
         """The step of the clients at positions ``at`` (a run's segment of a fused group)."""
 
@@ -240,7 +244,7 @@ class PrototypePull(Term):
 
     def value(self, step: Step, prepared: Any, rows: slice) -> torch.Tensor:
         if prepared is None:
-            return torch.zeros(step.y.shape[0], dtype=step.f.dtype)
+            return step.zeros()
         mse, any_hit = prototype_mse(step.f, step.y, step.ok, *prepared)
         return torch.where(any_hit, self.weight * mse, torch.zeros_like(mse))
 
@@ -328,7 +332,7 @@ class LocalObjective:
 
     def _cross_entropy(self, step: Step) -> torch.Tensor:
         if self.ce_weight == 0:  # the head's logits stay out of the graph
-            return torch.zeros(step.y.shape[0], dtype=step.f.dtype, device=step.f.device)
+            return step.zeros()
         ce = cross_entropy(step.logits, step.y, step.ok)
         return ce if self.ce_weight == 1 else self.ce_weight * ce
 
