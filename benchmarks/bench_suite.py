@@ -19,7 +19,8 @@ the engine trains.  Sections:
 * ``cache``: one round with cached features versus re-encoding every batch (bench_skeleton);
 * ``roofline`` / ``roofline_m1000_frozen_proj``: the floor of one round of batched training
   (arithmetic at the measured bmm rate + AdamW traffic) at M = 100 and 1000, and the batched
-  trainer's time over it (``batched_over_floor_*``);
+  trainer's time over it (``batched_over_floor_*``); ``floor_shapes_s_1thread``: the same with
+  every product at the rate measured for its own shape (``batched_over_shape_floor_*``);
 * ``m1000``: 1000 clients x 20 rounds of FedProto + VPDR on a Dirichlet split of digits4 at
   64 px (``bench_m1000.py``, in its own process for its peak RSS), with a profile of one round;
   ``m1000_disk`` the same with ``run.client_state=disk`` (``offload_round_cost_m1000``: its
@@ -395,7 +396,74 @@ def roofline(m: int = 100, model: Sequence[str] = ()) -> dict[str, Any]:
             out[f"floor_s_{threads}thread"] = gflop / rate + steps * t_adam
     finally:
         torch.set_num_threads(1)
+    out.update(shape_floor(cfg, data, m, float(out["adamw_step_s_1thread"])))
     return out
+
+
+def shape_floor(
+    cfg: ExperimentConfig, data: FederatedData, m: int, t_adam: float
+) -> dict[str, Any]:
+    """The floor with every product at the rate ``torch.bmm`` reaches for ITS shape (one
+    thread): the trainer's calls, layer by layer (forward ``x W^T``, weight gradient
+    ``g^T x`` into the parameters' layout, input gradient ``g W``; none into the first layer),
+    over ``m`` clients and the mean width of a step, each timed alone on random data, weighted
+    by the round's multiply-adds; a frozen shared projection is one ``F.linear`` over all rows
+    (forward and input gradient).  Plus the same AdamW traffic as :func:`roofline`.  Unlike
+    ``floor_s_1thread`` (every product at the projection's rate), this floor is what the
+    processor does with the products this model needs."""
+    n = sum(c.num_train for c in data.clients)
+    bs = cfg.federation.batch_size
+    steps = sum(-(-c.num_train // bs) for c in data.clients)
+    width = max(1, round(n / steps))  # rows of a mean step of one client
+    d_in, d, hidden = data.feature_dim, cfg.backbone.proto_dim, cfg.backbone.adapter_hidden
+    layers = [("down", d_in, hidden, False), ("up", hidden, d_in, True)]
+    if cfg.backbone.train_projection:
+        layers.append(("proj", d_in, d, True))
+    layers.append(("head", d, data.num_classes, True))
+    g = torch.Generator().manual_seed(0)
+    k = min(m, 100)
+
+    def best(fn: Callable[[], Any]) -> float:
+        return min(timed(fn) for _ in range(5))
+
+    seconds = 0.0
+    detail: dict[str, float] = {}
+    for name, i, o, input_grad in layers:
+        x = torch.randn(k, width, i, generator=g)
+        w = torch.randn(k, o, i, generator=g)
+        gr = torch.randn(k, width, o, generator=g)
+        gw = torch.empty(k, o, i)
+        kinds = {
+            "fwd": lambda x=x, w=w: torch.bmm(x, w.transpose(1, 2)),
+            "dW": lambda x=x, gr=gr, gw=gw: torch.bmm(gr.transpose(1, 2), x, out=gw),
+        }
+        if input_grad:
+            kinds["dx"] = lambda gr=gr, w=w: torch.bmm(gr, w)
+        for kind, fn in kinds.items():
+            fn()
+            rate = 2 * k * width * i * o / best(fn)  # FLOP/s at this shape
+            t = 2 * n * i * o / rate
+            detail[f"{name}_{kind}_gflops"] = rate / 1e9
+            seconds += t
+    if not cfg.backbone.train_projection:  # one shared product over every row
+        rows = min(n, 8192)
+        x = torch.randn(rows, d_in, generator=g)
+        w = torch.randn(d, d_in, generator=g)
+        gr = torch.randn(rows, d, generator=g)
+        for kind, fn in {
+            "fwd": lambda: torch.nn.functional.linear(x, w),
+            "dx": lambda: gr @ w,
+        }.items():
+            fn()
+            rate = 2 * rows * d_in * d / best(fn)
+            detail[f"shared_proj_{kind}_gflops"] = rate / 1e9
+            seconds += 2 * n * d_in * d / rate
+    mean_steps = steps / len(data.clients)
+    return {
+        "step_width": width,
+        "shape_rates": detail,
+        "floor_shapes_s_1thread": seconds + mean_steps * t_adam,
+    }
 
 
 def m1000(rounds: int, scale: str = "m1000", *overrides: str) -> dict[str, Any]:
@@ -490,6 +558,11 @@ def main() -> None:
             / results["roofline"]["floor_s_1thread"],
             "batched_over_floor_m1000_frozen_proj": train["m1000_frozen_proj"]["batched_s"]
             / results["roofline_m1000_frozen_proj"]["floor_s_1thread"],
+            # ... over the floor whose every product runs at its own shape's rate
+            "batched_over_shape_floor_m100": train["m100_default"]["batched_s"]
+            / results["roofline"]["floor_shapes_s_1thread"],
+            "batched_over_shape_floor_m1000_frozen_proj": train["m1000_frozen_proj"]["batched_s"]
+            / results["roofline_m1000_frozen_proj"]["floor_shapes_s_1thread"],
             "batched_speedup_m100_frozen_proj": train["m100_frozen_proj"]["speedup"],
             "batched_speedup_m1000": train["m1000_frozen_proj"]["speedup"],
             "round_speedup_m1000": train["m1000_frozen_proj"].get("round_speedup"),
@@ -614,7 +687,9 @@ def print_table(r: dict[str, Any]) -> None:
     )
     print(
         f"batched training over its floor: M=100 {r['batched_over_floor_m100']:.2f}x, "
-        f"M=1000 (frozen projection) {r['batched_over_floor_m1000_frozen_proj']:.2f}x"
+        f"M=1000 (frozen projection) {r['batched_over_floor_m1000_frozen_proj']:.2f}x; over the "
+        f"floor at each product's own rate: {r['batched_over_shape_floor_m100']:.2f}x, "
+        f"{r['batched_over_shape_floor_m1000_frozen_proj']:.2f}x"
     )
 
 
