@@ -16,7 +16,8 @@ for sweep in nopriv_methods vpdr_table1 vpdr_table7 vpdr_ablation feddap_ablatio
              vpdr_table1_preset vpdr_table7_preset vpdr_ablation_preset vpdr_sensitivity_preset \
              vpdr_sensitivity_r_preset vpp_variants_igpp vpp_variants label_skew_preset attack_preset \
              feddap_table1_preset feddap_table1_stabilised feddap_table1_fedrdn_scalar \
-             feddap_ablation_preset feddap_moon_select; do
+             feddap_ablation_preset feddap_moon_select feddap_moon_select_clipped \
+             feddap_table1_fedplvm_code; do
   # the attacks use the exact release-time models: the attack sweep keeps its checkpoints
   keep=(--set federation.checkpoint=false)
   [ "$sweep" = attack_preset ] && keep=()
@@ -51,6 +52,8 @@ t() { $protofl table --format md "$@"; }
   t "$out/feddap_table1_stabilised" "$out/feddap_table1_fedrdn_scalar" --by method --metric last5
   t "$out/feddap_ablation_preset" "$out/feddap_table1_preset" --where method=feddap \
     --by method.params --metric last5
+  t "$out/feddap_moon_select_clipped" --by method --metric last5   # mu chosen on validation
+  t "$out/feddap_table1_fedplvm_code" --by method --metric last5   # FedDAP's code's FedPLVM
 } > "$out/tables.md"
 # the attack table under the vpdr preset (MIA on every run, FSH on seed 0 of each mechanism)
 ${PYTHON:-python} experiments/attack_table.py "$out/attack_preset" --fsh-per-row 1 >> "$out/tables.md"
