@@ -298,6 +298,7 @@ class _Store:
         order: Sequence[int],
         device: torch.device | None = None,
         directory: Path | None = None,
+        adam: bool = True,
     ) -> None:
         m = len(order)
         dev = device or torch.device("cpu")
@@ -325,8 +326,10 @@ class _Store:
         # reads them there)
         self.param = {n: new("param", n, shapes[n]) for n in names}
         self.exp_avg = {n: new("exp_avg", n, shapes[n]) for n in names}
-        self.exp_avg_sq = {n: new("exp_avg_sq", n, shapes[n]) for n in names}
-        self.step = {n: new("step", n, ()).zero_() for n in names}
+        # AdamW's second moments and step counts (SGD keeps its momentum in exp_avg alone)
+        adam_names = names if adam else []
+        self.exp_avg_sq = {n: new("exp_avg_sq", n, shapes[n]) for n in adam_names}
+        self.step = {n: new("step", n, ()).zero_() for n in adam_names}
         self.teacher = {n: new("teacher", n, s) for n, s in teacher_shapes.items()}
 
         # (first byte, bytes per row) of every store tensor: row pointers without views
@@ -736,7 +739,13 @@ class BatchedTrainer:
                 self._test_rank.setdefault(id(d.test_z), len(self._test_rank))
             order = [d.client for d in sorted(self.sim.data.clients, key=self._sort_key)]
             self.store = _Store(
-                self.names, self.shapes, self.teacher_shapes, order, self.device, self.state_dir
+                self.names,
+                self.shapes,
+                self.teacher_shapes,
+                order,
+                self.device,
+                self.state_dir,
+                adam=not self.sgd,
             )
         return self.store
 
