@@ -569,11 +569,7 @@ class _GroupView(ModelView):
 
     def project(self, z: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            shared = self.trainer.shared_proj
-            if shared is not None:
-                return F.linear(z, *shared)
-            w = self.w
-            return torch.baddbmm(w["proj.bias"].unsqueeze(1), z, w["proj.weight"].transpose(1, 2))
+            return self.trainer._project(self.w, z)
 
     def select(self, at: torch.Tensor) -> ModelView:
         return _GroupView(self.trainer, {n: t.index_select(0, at) for n, t in self.w.items()})
@@ -1213,9 +1209,13 @@ class BatchedTrainer:
             start = stop
         return out
 
-    def _plain_features(self, w: dict[str, torch.Tensor], z: torch.Tensor) -> torch.Tensor:
+    def _plain_features(self, w: Mapping[str, torch.Tensor], z: torch.Tensor) -> torch.Tensor:
         h = torch.relu(torch.bmm(z, w["adapter.down.weight"].transpose(1, 2)))
         a = z + torch.bmm(h, w["adapter.up.weight"].transpose(1, 2))
+        return self._project(w, a)
+
+    def _project(self, w: Mapping[str, torch.Tensor], a: torch.Tensor) -> torch.Tensor:
+        """The projection of ``a`` [k, b, d_in]: the shared frozen one, or each client's."""
         if self.shared_proj is not None:
             return F.linear(a, *self.shared_proj)
         return torch.baddbmm(w["proj.bias"].unsqueeze(1), a, w["proj.weight"].transpose(1, 2))
