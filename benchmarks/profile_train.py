@@ -3,7 +3,7 @@
 thread), its round time (median of 5) beside the two floors of ``roofline``, and a torch
 profiler table of one round (self CPU time per operator).
 
-Usage: python benchmarks/profile_train.py [--clients 100] [--rows 20]
+Usage: python benchmarks/profile_train.py [--clients 100] [--frozen] [--rows 20]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_suite import config, data_for, roofline
+from bench_suite import FROZEN, M1000_OVERRIDES, config, data_for, roofline
 from engine_hooks import HookedSimulation
 
 from protofl.engine.batched import BatchedTrainer
@@ -28,9 +28,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--rows", type=int, default=20, help="rows of the profiler table")
+    parser.add_argument(
+        "--frozen", action="store_true", help="a frozen shared projection (the M = 1000 row)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    extra = [f"data.clients_per_domain={args.clients // 4}"]
+    model = FROZEN if args.frozen else []
+    extra = [f"data.clients_per_domain={args.clients // 4}", *model]
+    if args.clients >= 1000:  # the data of bench_suite's M = 1000 rows
+        extra += [o for o in M1000_OVERRIDES if o.startswith(("data.train_f", "data.max_"))]
     sim = HookedSimulation(config(*extra, "federation.execution=batched"), data_for(config(*extra)))
     sim.global_state = sim.method.aggregate(sim.collect_uploads(), 0)
     trainer = BatchedTrainer(sim)
@@ -40,7 +46,7 @@ def main() -> None:
         t0 = time.perf_counter()
         trainer.train(sim.clients)
         times.append(time.perf_counter() - t0)
-    roof = roofline(args.clients)
+    roof = roofline(args.clients, model)
     print(
         f"batched round {statistics.median(times):.3f} s (min {min(times):.3f}); floor "
         f"{roof['floor_s_1thread']:.3f} s (projection rate {roof['bmm_gflops_1thread']:.0f} "

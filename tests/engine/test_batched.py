@@ -631,3 +631,35 @@ def test_an_offloaded_run_stopped_mid_way_resumes_to_the_same_numbers(
     resumed = resume_experiment(run_dir)
     assert [m.avg_acc for m in resumed.history] == [m.avg_acc for m in full.history]
     assert resumed.summary["privacy"] == full.summary["privacy"]
+
+
+def _brute_pieces(widths: list[int], piece_rows: int) -> float:
+    """The least cost of any cut of ``widths`` into contiguous pieces (every cut tried)."""
+    n = len(widths)
+    best = [0.0] + [math.inf] * n
+    for j in range(1, n + 1):
+        for i in range(j):
+            best[j] = min(best[j], best[i] + piece_rows + (j - i) * max(widths[i:j]))
+    return best[n]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_pieces_cover_every_row_at_the_least_padded_cost(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    k = int(torch.randint(1, 40, (1,), generator=g))
+    widths = torch.randint(1, 65, (k,), generator=g).tolist()
+    if seed % 2:  # as a step's widths come: sorted, longest first, with repeats
+        widths = sorted((w // 8 * 8 or 1 for w in widths), reverse=True)
+    pieces = BatchedTrainer._pieces(widths)
+    assert pieces[0][0] == 0 and pieces[-1][1] == k
+    assert all(p[1] == q[0] for p, q in zip(pieces, pieces[1:]))  # contiguous, no overlap
+    assert all(w == max(widths[a:b]) for a, b, w in pieces)  # no row cut short
+    rows = BatchedTrainer.PIECE_ROWS
+    cost = sum(rows + (b - a) * w for a, b, w in pieces)
+    assert cost == _brute_pieces(widths, rows)
+
+
+def test_pieces_of_one_width_are_one_piece_and_a_wide_spread_is_cut() -> None:
+    assert BatchedTrainer._pieces([64] * 100) == [(0, 100, 64)]
+    # 100 clients of 64 rows and 100 of 2: padding the short ones to 64 would cost 6,200 rows
+    assert BatchedTrainer._pieces([64] * 100 + [2] * 100) == [(0, 100, 64), (100, 200, 2)]
