@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import itertools
 import logging
 import math
 import sys
@@ -652,7 +653,7 @@ def test_pieces_cover_every_row_at_the_least_padded_cost(seed: int) -> None:
         widths = sorted((w // 8 * 8 or 1 for w in widths), reverse=True)
     pieces = BatchedTrainer._pieces(widths)
     assert pieces[0][0] == 0 and pieces[-1][1] == k
-    assert all(p[1] == q[0] for p, q in zip(pieces, pieces[1:]))  # contiguous, no overlap
+    assert all(p[1] == q[0] for p, q in itertools.pairwise(pieces))  # contiguous, no overlap
     assert all(w == max(widths[a:b]) for a, b, w in pieces)  # no row cut short
     rows = BatchedTrainer.PIECE_ROWS
     cost = sum(rows + (b - a) * w for a, b, w in pieces)
