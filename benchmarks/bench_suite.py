@@ -53,7 +53,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_m1000 import M1000_OVERRIDES  # noqa: E402
+from bench_m1000 import M1000_OVERRIDES, _status_gb  # noqa: E402
 from bench_skeleton import round_times  # noqa: E402
 from engine_hooks import HookedSimulation  # noqa: E402
 
@@ -467,8 +467,11 @@ def shape_floor(
 
 
 def m1000(rounds: int, scale: str = "m1000", *overrides: str) -> dict[str, Any]:
-    """The 1000- (or 10,000-) client run, in its own process (its own peak RSS)."""
+    """The 1000- (or 10,000-) client run, in its own process (its own peak RSS); with the
+    suite process's own resident memory and the machine's available memory at its start
+    (what is left for the page cache of a run whose client state is on disk)."""
     sets = [a for o in overrides for a in ("--set", o)]
+    suite_rss, available = _status_gb("VmRSS"), _meminfo_gb("MemAvailable")
     out = subprocess.run(
         [
             sys.executable,
@@ -483,7 +486,21 @@ def m1000(rounds: int, scale: str = "m1000", *overrides: str) -> dict[str, Any]:
         capture_output=True,
         text=True,
     )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    result["suite_rss_gb_at_start"] = suite_rss
+    result["mem_available_gb_at_start"] = available
+    return result
+
+
+def _meminfo_gb(field: str) -> float | None:
+    """A ``/proc/meminfo`` field in GB (Linux), else None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
 
 
 def fused(rounds: int, repeat: int) -> dict[str, Any]:
