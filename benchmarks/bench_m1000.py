@@ -87,10 +87,11 @@ M10000_OVERRIDES = [
 SCALES = {"m1000": M1000_OVERRIDES, "m10000": M10000_OVERRIDES}
 
 
-def _status_gb(field: str) -> float | None:
-    """A ``/proc/self/status`` memory field in GB (Linux), else None."""
+def _status_gb(field: str, path: str = "/proc/self/status") -> float | None:
+    """A memory field (kB) of ``/proc/self/status`` (or ``/proc/meminfo``) in GB (Linux),
+    else None."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path(path).read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1]) / 2**20
     except OSError:

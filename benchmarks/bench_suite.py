@@ -471,7 +471,7 @@ def m1000(rounds: int, scale: str = "m1000", *overrides: str) -> dict[str, Any]:
     suite process's own resident memory and the machine's available memory at its start
     (what is left for the page cache of a run whose client state is on disk)."""
     sets = [a for o in overrides for a in ("--set", o)]
-    suite_rss, available = _status_gb("VmRSS"), _meminfo_gb("MemAvailable")
+    suite_rss, available = _status_gb("VmRSS"), _status_gb("MemAvailable", "/proc/meminfo")
     out = subprocess.run(
         [
             sys.executable,
@@ -490,17 +490,6 @@ def m1000(rounds: int, scale: str = "m1000", *overrides: str) -> dict[str, Any]:
     result["suite_rss_gb_at_start"] = suite_rss
     result["mem_available_gb_at_start"] = available
     return result
-
-
-def _meminfo_gb(field: str) -> float | None:
-    """A ``/proc/meminfo`` field in GB (Linux), else None."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return None
 
 
 def fused(rounds: int, repeat: int) -> dict[str, Any]:
