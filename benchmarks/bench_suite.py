@@ -125,6 +125,15 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 # --------------------------------------------------------------------------------------------
+def train_overrides(m: int, model: Sequence[str] = ()) -> list[str]:
+    """The config of the training rows at M = ``m`` (``model``: e.g. FROZEN); from M = 1000 on,
+    the data of the 1000-client run."""
+    extra = [f"data.clients_per_domain={m // 4}", *model]
+    if m >= 1000:
+        extra += [o for o in M1000_OVERRIDES if o.startswith(("data.train_f", "data.max_"))]
+    return extra
+
+
 def train_round(
     m: int,
     model: list[str],
@@ -135,9 +144,7 @@ def train_round(
     whole_round: bool = False,
 ) -> dict[str, Any]:
     """Seconds of one round of local training, sequential versus batched (interleaved)."""
-    extra = [f"data.clients_per_domain={m // 4}", *model]
-    if m >= 1000:
-        extra += [o for o in M1000_OVERRIDES if o.startswith(("data.train_f", "data.max_"))]
+    extra = train_overrides(m, model)
     seq = HookedSimulation(config(*extra), data_for(config(*extra)))
     bat = HookedSimulation(config(*extra, "federation.execution=batched"), data_for(config(*extra)))
     seq.global_state = seq.method.aggregate(seq.collect_uploads(), 0)
@@ -347,9 +354,7 @@ def roofline(m: int = 100, model: Sequence[str] = ()) -> dict[str, Any]:
     reaches on projection-shaped products, plus its AdamW memory traffic (trainable parameters)
     at the rate the fused kernel reaches; with one and two intra-op threads.  The data is
     ``train_round``'s for the same ``m`` and ``model``."""
-    extra = [f"data.clients_per_domain={m // 4}", *model]
-    if m >= 1000:
-        extra += [o for o in M1000_OVERRIDES if o.startswith(("data.train_f", "data.max_"))]
+    extra = train_overrides(m, model)
     cfg = config(*extra)
     data = data_for(cfg)
     n = sum(c.num_train for c in data.clients)

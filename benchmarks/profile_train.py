@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_suite import FROZEN, M1000_OVERRIDES, config, data_for, roofline
+from bench_suite import FROZEN, config, data_for, roofline, train_overrides
 from engine_hooks import HookedSimulation
 
 from protofl.engine.batched import BatchedTrainer
@@ -34,9 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = FROZEN if args.frozen else []
-    extra = [f"data.clients_per_domain={args.clients // 4}", *model]
-    if args.clients >= 1000:  # the data of bench_suite's M = 1000 rows
-        extra += [o for o in M1000_OVERRIDES if o.startswith(("data.train_f", "data.max_"))]
+    extra = train_overrides(args.clients, model)
     sim = HookedSimulation(config(*extra, "federation.execution=batched"), data_for(config(*extra)))
     sim.global_state = sim.method.aggregate(sim.collect_uploads(), 0)
     trainer = BatchedTrainer(sim)
