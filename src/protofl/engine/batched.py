@@ -862,19 +862,19 @@ class BatchedTrainer:
         n = len(runs)
         starts = [r[0] for r in runs] + [len(widths)]
         best = [0.0] + [math.inf] * n
-        cut = [0] * (n + 1)
+        cut = [(0, 0)] * (n + 1)  # (first run, width) of the last piece of the best cut
         for j in range(1, n + 1):
             top = 0
             for i in range(j - 1, max(-1, j - 65), -1):  # the piece is runs i..j-1
                 top = max(top, runs[i][1])
                 cost = best[i] + cls.PIECE_ROWS + (starts[j] - starts[i]) * top
                 if cost < best[j]:
-                    best[j], cut[j] = cost, i
+                    best[j], cut[j] = cost, (i, top)
         out: list[tuple[int, int, int]] = []
         j = n
         while j > 0:
-            i = cut[j]
-            out.append((starts[i], starts[j], max(r[1] for r in runs[i:j])))
+            i, top = cut[j]
+            out.append((starts[i], starts[j], top))
             j = i
         return out[::-1]
 
