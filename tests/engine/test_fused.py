@@ -256,6 +256,46 @@ def test_a_fused_group_trains_clients_of_several_runs_together(tmp_path: Path) -
     assert any(len({trainer.run_of_state(c.state) for c in g.clients}) == 2 for g in groups)
 
 
+@pytest.mark.parametrize("method", ["fedproto", "moon"])
+def test_fused_runs_with_frozen_projections_use_one_product_per_run(
+    tmp_path: Path, method: str
+) -> None:
+    """With ``backbone.train_projection: false`` each seed's clients hold one frozen projection:
+    the fused trainer keeps one per run (not a stacked per-client copy, which lost the cached
+    evaluation products and made the VPDR preset's fused sweep slower than its runs one by
+    one), and the fused sweep still gives what each run gives alone."""
+    cfgs = [
+        tiny_config(method, "igpp", seed=seed, clients_per_domain=2).with_overrides(
+            ["federation.execution=batched", "backbone.train_projection=false"]
+        )
+        for seed in (0, 1)
+    ]
+    sims = [Simulation(c, build_federated_data(c, tmp_path / "data")) for c in cfgs]
+    trainer = fused.FusedTrainer(sims, ["a", "b"])
+    assert trainer.projections is not None
+    assert len(trainer.projections.table) == 2
+    for r, sim in enumerate(sims):
+        which = trainer.projections.which(trainer.stand_ins(r, sim.clients))
+        assert len(set(which)) == 1
+        w, b = trainer.projections.table[which[0]]
+        assert torch.equal(w, sim.clients[0].model.proj.weight)
+        assert torch.equal(b, sim.clients[0].model.proj.bias)
+    # a piece mixing the runs' clients applies each client's own projection
+    stand_ins = [trainer.stand_ins(r, sim.clients)[0] for r, sim in enumerate(sims)]
+    a = torch.randn(2, 5, sims[0].data.feature_dim)
+    out = trainer.projections.apply(a, trainer.projections.which(stand_ins))
+    for i, sim in enumerate(sims):
+        torch.testing.assert_close(out[i], sim.clients[0].model.proj(a[i]))
+
+    base = _base(method, **{"backbone.train_projection": False})
+    plan = _plan({"seed": [0, 1, 2]}, base)
+    separate = run_sweep(plan, sweep_dir=tmp_path / "separate", jobs=1, progress=False, fuse=False)
+    together = run_sweep(plan, sweep_dir=tmp_path / "fused", jobs=1, progress=False)
+    assert all(r.fused is None for r in separate.runs)
+    assert {r.fused for r in together.runs} == {1}
+    _assert_same_runs(tmp_path / "separate", tmp_path / "fused", [p.dirname for p in plan.points])
+
+
 def test_a_failing_fused_program_leaves_its_runs_to_finish_one_by_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -234,6 +234,83 @@ def adamw_reference(
         p.addcdiv_(m, denom, value=-lr / bias_correction1)
 
 
+class FrozenProjections:
+    """The frozen projections of a store's clients (``backbone.train_projection: false``):
+    each distinct ``(weight, bias)`` once, which one each client holds, and per projection the
+    cache of ``proj(z)`` of the evaluation inputs.
+
+    A plain run's clients hold one projection (pooled by :class:`FrozenParameterPool`); a fused
+    group holds one per seed.  Each is applied as one ``F.linear`` over all rows of the clients
+    that hold it (one product instead of a per-client ``bmm``), and evaluation re-associates
+    ``proj(z + U h) = proj(z) + (P U) h`` with ``proj(z)`` cached per projection and input set.
+    """
+
+    MAX = 64  # more distinct projections than this: each client's own (stacked products)
+
+    def __init__(self, table: list[tuple[torch.Tensor, torch.Tensor]], of: dict[int, int]):
+        self.table = table
+        self.of = of  # client id -> index into table
+        self._y0: dict[tuple[int, int], tuple[torch.Tensor, tuple[int, ...], torch.Tensor]] = {}
+
+    @classmethod
+    def of_clients(cls, clients: Sequence[Client]) -> FrozenProjections | None:
+        """The table of ``clients``' frozen projections; None when there are more than
+        :attr:`MAX` distinct ones."""
+        table: list[tuple[torch.Tensor, torch.Tensor]] = []
+        of: dict[int, int] = {}
+        for c in clients:
+            w, b = c.model.proj.weight, c.model.proj.bias
+            # the pooled tensors themselves first (no comparison of values)
+            j = next((i for i, (u, v) in enumerate(table) if u is w and v is b), None)
+            if j is None:
+                j = next(
+                    (
+                        i
+                        for i, (u, v) in enumerate(table)
+                        if torch.equal(u, w) and torch.equal(v, b)
+                    ),
+                    None,
+                )
+            if j is None:
+                if len(table) == cls.MAX:
+                    return None
+                j = len(table)
+                table.append((w, b))  # frozen: requires_grad is False
+            of[c.data.client] = j
+        return cls(table, of)
+
+    def which(self, clients: Sequence[Client]) -> list[int]:
+        """Each client's projection (index into :attr:`table`)."""
+        return [self.of[c.data.client] for c in clients]
+
+    def apply(self, a: torch.Tensor, which: Sequence[int]) -> torch.Tensor:
+        """``proj_j(a[i])`` for each client ``i`` of ``a`` [k, n, d_in], ``j = which[i]``:
+        one ``F.linear`` per distinct projection (differentiable in ``a``)."""
+        first = which[0]
+        if all(j == first for j in which):
+            return F.linear(a, *self.table[first])
+        parts, order = [], []
+        for j in sorted(set(which)):
+            idx = [i for i, x in enumerate(which) if x == j]
+            sel = torch.tensor(idx, device=a.device)
+            parts.append(F.linear(a.index_select(0, sel), *self.table[j]))
+            order += idx
+        back = torch.empty(len(order), dtype=torch.long)
+        back[torch.tensor(order)] = torch.arange(len(order))
+        return torch.cat(parts).index_select(0, back.to(a.device))
+
+    def cached(self, z: torch.Tensor, j: int) -> torch.Tensor:
+        """``proj_j(z)``, cached per input tensor and projection (kept alive with it, so the
+        key cannot be reused; any in-place change invalidates it)."""
+        w, b = self.table[j]
+        stamp = (0 if z.is_inference() else z._version, w.data_ptr(), w._version, b._version)
+        hit = self._y0.get((id(z), j))
+        if hit is None or hit[0] is not z or hit[1] != stamp:
+            hit = (z, stamp, F.linear(z.to(w.dtype), w, b))
+            self._y0[(id(z), j)] = hit
+        return hit[2]
+
+
 # --------------------------------------------------------------------------------------------
 # batched linear layers whose weight gradients land in preallocated buffers
 # --------------------------------------------------------------------------------------------
@@ -557,22 +634,31 @@ class _Group:
 class _GroupView(ModelView):
     """:class:`ModelView` of a piece of a group: the clients' stacked parameters ``w``."""
 
-    def __init__(self, trainer: BatchedTrainer, w: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        trainer: BatchedTrainer,
+        w: dict[str, torch.Tensor],
+        which: Sequence[int] | None = None,
+    ) -> None:
         self.trainer = trainer
         self.w = w
+        self.which = which  # each client's frozen projection (FrozenProjections), if shared
 
     def features(self, z: torch.Tensor, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
         w = dict(self.w)
         w.update(params)
         with torch.no_grad():
-            return self.trainer._plain_features(w, z)
+            return self.trainer._plain_features(w, z, self.which)
 
     def project(self, z: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return self.trainer._project(self.w, z)
+            return self.trainer._project(self.w, z, self.which)
 
     def select(self, at: torch.Tensor) -> ModelView:
-        return _GroupView(self.trainer, {n: t.index_select(0, at) for n, t in self.w.items()})
+        which = None if self.which is None else [self.which[i] for i in at.tolist()]
+        return _GroupView(
+            self.trainer, {n: t.index_select(0, at) for n, t in self.w.items()}, which
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -633,30 +719,19 @@ class BatchedTrainer:
         self.names = [n for n, p in first.named_parameters() if p.requires_grad]
         self.head_names = [n for n in self.names if n.startswith("head.")]
         self.shapes = {n: tuple(p.shape) for n, p in first.named_parameters()}
-        self.shared_proj = self.shared_projection(sim.clients)
+        self.projections = self.frozen_projections(sim.clients)
         dcr = sim.clients[0].dcr
         self.teacher_shapes = (
             {n: tuple(p.shape) for n, p in dcr.teacher.named_parameters()} if dcr else {}
         )
         self.anchor = torch.zeros((), requires_grad=True, device=self.device)
-        self._y0: dict[int, tuple[torch.Tensor, tuple[int, ...], torch.Tensor]] = {}
 
-    def shared_projection(
-        self, clients: Sequence[Client]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The frozen projection every client holds (Simulation pooled them as it built
-        them), or None when it trains or differs between clients."""
+    def frozen_projections(self, clients: Sequence[Client]) -> FrozenProjections | None:
+        """The clients' frozen projections (one per run; Simulation pooled each run's as it
+        built them), or None when the projection trains or there are too many."""
         if self.train_proj:
             return None
-        first = clients[0].model
-        w, b = first.proj.weight, first.proj.bias
-        if all(
-            (c.model.proj.weight is w or torch.equal(c.model.proj.weight, w))
-            and (c.model.proj.bias is b or torch.equal(c.model.proj.bias, b))
-            for c in clients
-        ):
-            return (w.detach(), b.detach())
-        return None
+        return FrozenProjections.of_clients(clients)
 
     def check_budget(self, clients: Sequence[Client]) -> None:
         """Refuse a ``run.memory_budget_mb`` that cannot hold one client's working memory."""
@@ -901,7 +976,8 @@ class BatchedTrainer:
         teacher = {n: group.take(t) for n, t in store.teacher.items()}
         grads = self._grad_buffers(m)
         fixed: dict[str, torch.Tensor] = {}
-        if not self.train_proj and self.shared_proj is None:
+        proj_of = self.projections.which(clients) if self.projections is not None else None
+        if not self.train_proj and self.projections is None:
             fixed = {
                 n: torch.stack([c.model.get_parameter(n).detach() for c in clients])
                 for n in ("proj.weight", "proj.bias")
@@ -942,11 +1018,18 @@ class BatchedTrainer:
                 w = {n: t[a:b] for n, t in params.items()}
                 w.update({n: t[a:b] for n, t in fixed.items()})
                 g = {n: t[a:b] for n, t in grads.items()}
-                f_raw = self._features(w, g, z)
+                which = proj_of[a:b] if proj_of is not None else None
+                f_raw = self._features(w, g, z, which)
                 f = soft_clip(f_raw, dcr.radius, dcr.gamma, dcr.mode) if dcr else f_raw
                 logits = self._head(w, g, f)
                 step = Step(
-                    f=f, logits=logits, y=y, ok=ok, z=z, f_raw=f_raw, model=_GroupView(self, w)
+                    f=f,
+                    logits=logits,
+                    y=y,
+                    ok=ok,
+                    z=z,
+                    f_raw=f_raw,
+                    model=_GroupView(self, w, which),
                 )
                 loss = objective.feature_loss(step, prepared, rows_)
                 if head_live is not None:
@@ -1044,13 +1127,18 @@ class BatchedTrainer:
         )
 
     def _features(
-        self, w: dict[str, torch.Tensor], g: dict[str, torch.Tensor], z: torch.Tensor
+        self,
+        w: dict[str, torch.Tensor],
+        g: dict[str, torch.Tensor],
+        z: torch.Tensor,
+        which: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """``proj(z + up(relu(down(z))))`` for k clients: [k, b, d_in] -> [k, b, d]."""
+        """``proj(z + up(relu(down(z))))`` for k clients: [k, b, d_in] -> [k, b, d]
+        (``which``: each client's frozen projection, see :class:`FrozenProjections`)."""
         h = torch.relu(self._linear(w, g, "adapter.down", z, bias=False))
         a = z + self._linear(w, g, "adapter.up", h, bias=False)
-        if self.shared_proj is not None:
-            return F.linear(a, *self.shared_proj)
+        if self.projections is not None and which is not None:
+            return self.projections.apply(a, which)
         return self._linear(w, g, "proj", a)
 
     def _head(
@@ -1212,39 +1300,55 @@ class BatchedTrainer:
             for i, c in enumerate(part):
                 z[i, : c.data.num_train] = c.data.train_z
             w = self._rows(store.param, [store.row[c.data.client] for c in part])
-            if not self.train_proj and self.shared_proj is None:
-                w.update(
-                    {
-                        n: torch.stack([c.model.get_parameter(n).detach() for c in part])
-                        for n in ("proj.weight", "proj.bias")
-                    }
-                )
-            f = self._plain_features(w, z)
+            f = self._plain_features(self._with_projection(w, part), z, self._which(part))
             for i, j in enumerate(order[start:stop]):
                 out[j] = f[i, : clients[j].data.num_train].clone()
             store.page_out([store.row[c.data.client] for c in part])
             start = stop
         return out
 
-    def _plain_features(self, w: Mapping[str, torch.Tensor], z: torch.Tensor) -> torch.Tensor:
+    def _which(self, clients: Sequence[Client]) -> list[int] | None:
+        """Each client's frozen projection (None: each client's own, in ``w``)."""
+        return self.projections.which(clients) if self.projections is not None else None
+
+    def _with_projection(
+        self, w: dict[str, torch.Tensor], clients: Sequence[Client]
+    ) -> dict[str, torch.Tensor]:
+        """``w`` with the clients' stacked frozen projections when there is no table of them."""
+        if not self.train_proj and self.projections is None:
+            w.update(
+                {
+                    n: torch.stack([c.model.get_parameter(n).detach() for c in clients])
+                    for n in ("proj.weight", "proj.bias")
+                }
+            )
+        return w
+
+    def _plain_features(
+        self, w: Mapping[str, torch.Tensor], z: torch.Tensor, which: Sequence[int] | None
+    ) -> torch.Tensor:
         h = torch.relu(torch.bmm(z, w["adapter.down.weight"].transpose(1, 2)))
         a = z + torch.bmm(h, w["adapter.up.weight"].transpose(1, 2))
-        return self._project(w, a)
+        return self._project(w, a, which)
 
-    def _project(self, w: Mapping[str, torch.Tensor], a: torch.Tensor) -> torch.Tensor:
-        """The projection of ``a`` [k, b, d_in]: the shared frozen one, or each client's."""
-        if self.shared_proj is not None:
-            return F.linear(a, *self.shared_proj)
+    def _project(
+        self, w: Mapping[str, torch.Tensor], a: torch.Tensor, which: Sequence[int] | None
+    ) -> torch.Tensor:
+        """The projection of ``a`` [k, b, d_in]: the frozen ones of ``which``, or each
+        client's (in ``w``)."""
+        if self.projections is not None and which is not None:
+            return self.projections.apply(a, which)
         return torch.baddbmm(w["proj.bias"].unsqueeze(1), a, w["proj.weight"].transpose(1, 2))
 
     @torch.no_grad()
     def predict_many(self, clients: Sequence[Client], z: torch.Tensor) -> torch.Tensor:
         """``method.predict`` of every client on the same inputs ``z``: [len(clients), T].
 
-        With a frozen projection shared by all clients the products are re-associated
-        (``proj(z) + (P U) h`` with ``proj(z)`` computed once per input set and reused across
-        rounds, the head folded in), so logits agree with the per-client call to float rounding
-        and an exact tie between two classes may break differently.  An objective whose input
+        With frozen projections (one per run, :class:`FrozenProjections`) the products are
+        re-associated (``proj(z) + (P U) h`` with ``proj(z)`` computed once per projection and
+        input set and reused across rounds, the head folded in), so logits agree with the
+        per-client call to float rounding and an exact tie between two classes may break
+        differently.  An objective whose input
         transform changes each client's test inputs (FedRDN) predicts each on its own."""
         sim = self.sim
         gs = sim.global_state
@@ -1262,51 +1366,55 @@ class BatchedTrainer:
         d_in, hidden = z.shape[1], self.shapes["adapter.down.weight"][0]
         d = self.shapes["proj.weight"][0]
         need_f = proto_eval or rule == "features" or self.head != "linear"
-        if self.shared_proj is None or inputs is not None:
+        projections = self.projections if inputs is None else None
+        if projections is None:
             width = 4 * d_in + 2 * d
         else:
             width = hidden + (2 * d if need_f else 0) + 64
         per = max(1, min(len(clients), (32 * 2**20) // max(1, 4 * t * width)))
+        # row order within each frozen projection's clients; parts of one projection each
+        proj_of = projections.which(clients) if projections is not None else [0] * len(clients)
         rank = torch.tensor(
-            sorted(range(len(clients)), key=lambda j: store.row[clients[j].data.client])
+            sorted(
+                range(len(clients)),
+                key=lambda j: (proj_of[j], store.row[clients[j].data.client]),
+            )
         )
-        clients = [clients[j] for j in rank.tolist()]
+        parts: list[tuple[list[Client], int]] = []
+        for j in rank.tolist():
+            if not parts or len(parts[-1][0]) == per or parts[-1][1] != proj_of[j]:
+                parts.append(([], proj_of[j]))
+            parts[-1][0].append(clients[j])
         preds = []
-        for a in range(0, len(clients), per):
-            part = clients[a : a + per]
+        for part, pj in parts:
             part_rows = [store.row[c.data.client] for c in part]
             w = self._rows(store.param, part_rows)
             zz = inputs.evaluate(z, gs, [c.state for c in part]) if inputs is not None else None
-            if self.shared_proj is not None and zz is None:
-                y0 = self._proj_cache(z_key)
+            if projections is not None:
+                p_w = projections.table[pj][0]
+                y0 = projections.cached(z_key, pj)
                 wd = w["adapter.down.weight"]  # [k, H, D]
                 k, hidden, _ = wd.shape
                 h = torch.relu(z @ wd.reshape(k * hidden, -1).T).view(t, k, hidden)
                 h = h.transpose(0, 1)  # [k, T, H]
                 up = w["adapter.up.weight"]  # [k, D, H]
                 if need_f:
-                    pu = torch.matmul(self.shared_proj[0], up)  # [k, d, H]
+                    pu = torch.matmul(p_w, up)  # [k, d, H]
                     f = y0.unsqueeze(0) + torch.bmm(h, pu.transpose(1, 2))
                     out = self._predict_from_features(w, f, rule, proto_eval, part)
                 else:
                     # logits = head(y0 + P U h) = y0 Wh^T + h (Wh P U)^T + bh
                     wh, bh = w["head.weight"], w["head.bias"]  # [k, C, d], [k, C]
-                    whp = (wh.reshape(-1, wh.shape[-1]) @ self.shared_proj[0]).view(k, -1, d_in)
+                    whp = (wh.reshape(-1, wh.shape[-1]) @ p_w).view(k, -1, d_in)
                     logits = (y0 @ wh.reshape(-1, wh.shape[-1]).T).view(t, k, -1).transpose(0, 1)
                     logits = logits + torch.bmm(h, torch.bmm(whp, up).transpose(1, 2))
                     logits = logits + bh.unsqueeze(1)
                     out = logits.argmax(dim=-1)
             else:
-                if not self.train_proj and self.shared_proj is None:
-                    w.update(
-                        {
-                            n: torch.stack([c.model.get_parameter(n).detach() for c in part])
-                            for n in ("proj.weight", "proj.bias")
-                        }
-                    )
+                w = self._with_projection(w, part)
                 if zz is None:
                     zz = z.unsqueeze(0).expand(len(part), -1, -1)
-                f = self._plain_features(w, zz.float())
+                f = self._plain_features(w, zz.float(), self._which(part))
                 out = self._predict_from_features(w, f, rule, proto_eval, part)
             preds.append(out)
             store.page_out(part_rows)
@@ -1341,18 +1449,6 @@ class BatchedTrainer:
                 [method.predict_from(f[i], logits[i], gs, c.state) for i, c in enumerate(part)]
             )
         return logits.argmax(dim=-1)
-
-    def _proj_cache(self, z: torch.Tensor) -> torch.Tensor:
-        """``proj(z)`` of the shared frozen projection, cached per input tensor (kept alive
-        with it, so the key cannot be reused; any in-place change invalidates it)."""
-        assert self.shared_proj is not None
-        w, b = self.shared_proj
-        stamp = (0 if z.is_inference() else z._version, w.data_ptr(), w._version, b._version)
-        hit = self._y0.get(id(z))
-        if hit is None or hit[0] is not z or hit[1] != stamp:
-            hit = (z, stamp, F.linear(z.to(w.dtype), w, b))
-            self._y0[id(z)] = hit
-        return hit[2]
 
     @staticmethod
     def _rows(store: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:

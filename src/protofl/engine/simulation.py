@@ -222,7 +222,7 @@ class Simulation:
             raise ValueError(
                 f"run.client_state=disk needs a run the batched executor can train: {problem}"
             )
-        trainer.shared_proj = trainer.shared_projection(self.clients)
+        trainer.projections = trainer.frozen_projections(self.clients)
         trainer.check_budget(self.clients)
 
     def memory_budget(self) -> int:
