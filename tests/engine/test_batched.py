@@ -17,7 +17,7 @@ from protofl.attacks.mia import diagnostics_for
 from protofl.config import ConfigError, ExperimentConfig
 from protofl.data.cache import protofl_home
 from protofl.data.partition import PartitionError
-from protofl.engine.batched import BatchedTrainer, FrozenParameterPool
+from protofl.engine.batched import BatchedTrainer, FrozenParameterPool, FrozenProjections
 from protofl.engine.federated_data import FederatedData, build_federated_data
 from protofl.engine.simulation import Simulation
 from protofl.methods.base import Batch, ClientState, GlobalState
@@ -101,6 +101,12 @@ CASES = {
         "backbone.train_projection": "false",
         "federation.participation": "0.5",
         "privacy.mechanism": "vpp",
+    },
+    # the VPDR preset's model: frozen projection, MLP head, DCR
+    "fedproto-vpdr-frozen-proj-mlp": {
+        "backbone.train_projection": "false",
+        "backbone.head": "mlp",
+        "privacy.mechanism": "vpdr",
     },
     "fedavg": {"method.name": "fedavg"},
     "fedprox-partial": {
@@ -221,6 +227,50 @@ def test_batched_matches_sequential(case: str) -> None:
     assert _max_diff(seq, bat) < ATOL
     sizes = [c.data.num_train for c in seq.clients]
     assert len(set(sizes)) > 3  # unequal clients: some are masked on padded steps
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "fedproto-frozen-proj-partial",
+        "fedproto-vpdr-frozen-proj-mlp",
+        "mpft-feature-source-frozen-proj",
+    ],
+)
+def test_reassociated_frozen_projection_matches_sequential(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BatchedTrainer.REASSOCIATE: proj(z) once a round and (P U) h per step instead of P over
+    the step's rows gives what the sequential engine gives (to float rounding)."""
+    monkeypatch.setattr(BatchedTrainer, "REASSOCIATE", True)
+    used = []
+    times_up = FrozenProjections.times_up
+    monkeypatch.setattr(
+        FrozenProjections,
+        "times_up",
+        lambda self, u, which: used.append(len(which)) or times_up(self, u, which),
+    )
+    seq, bat = _pair(**CASES[case])
+    hs, hb = seq.run(), bat.run()
+    assert used  # the re-associated products ran
+    assert [h.client_acc for h in hs] == [h.client_acc for h in hb]
+    for x, y in zip(hs, hb):
+        assert math.isclose(x.train_loss, y.train_loss, rel_tol=1e-5)
+    assert _max_diff(seq, bat) < ATOL
+
+
+def test_reassociation_pays_for_wide_steps_only() -> None:
+    """The count behind REASSOCIATE at 1280 -> 512 with H = 64: the VPDR preset's steps of 256
+    rows re-associate, the 1000-client benchmark's of ~16 rows do not, and neither do steps of
+    64 rows that pay proj(z) for one epoch only."""
+    cfg = _config(**{"backbone.train_projection": "false"})
+    trainer = BatchedTrainer(Simulation(cfg, _data(cfg)))
+    trainer.shapes = {"proj.weight": (512, 1280), "adapter.down.weight": (64, 1280)}
+    use, narrowest = trainer._reassociation(torch.tensor([[256, 256, 100], [145, 0, 0]]))
+    assert use and 50 < narrowest < 70
+    assert not trainer._reassociation(torch.tensor([[16, 16], [9, 16]]))[0]
+    trainer.sim.config = cfg.with_overrides(["federation.local_epochs=1"])
+    assert not trainer._reassociation(torch.tensor([[64], [64]]))[0]
 
 
 def _trainable(model: torch.nn.Module) -> torch.Tensor:
@@ -576,12 +626,21 @@ def _offload_config(state: str, *extra: str) -> ExperimentConfig:
     )
 
 
-def test_offloaded_and_in_memory_runs_give_identical_summaries(tmp_path: Path) -> None:
+@pytest.mark.parametrize("frozen", [False, True])
+def test_offloaded_and_in_memory_runs_give_identical_summaries(
+    tmp_path: Path, frozen: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also with a frozen projection re-associated: in memory its proj(z) is cached per client
+    across rounds, on disk it is computed each round (resident memory stays with the round)."""
     from protofl.engine.runner import STATE_DIR, run_experiment
 
+    extra = ["run.save_releases=false"]
+    if frozen:
+        monkeypatch.setattr(BatchedTrainer, "REASSOCIATE", True)
+        extra.append("backbone.train_projection=false")
     runs = {}
     for state in ("memory", "disk"):
-        cfg = _offload_config(state, "run.save_releases=false")
+        cfg = _offload_config(state, *extra)
         runs[state] = run_experiment(cfg, out=tmp_path / state, data=_data(cfg))
     drop = ("wall_s", "setup_s", "environment")
     same = [{k: v for k, v in r.summary.items() if k not in drop} for r in runs.values()]

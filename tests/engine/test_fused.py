@@ -15,6 +15,7 @@ import yaml
 
 from protofl.config import ConfigError
 from protofl.engine import fused
+from protofl.engine.batched import BatchedTrainer
 from protofl.engine.federated_data import build_federated_data
 from protofl.engine.fused import FusedMember, FusionUnavailable, fusion_key, fusion_problem
 from protofl.engine.simulation import Simulation
@@ -256,14 +257,16 @@ def test_a_fused_group_trains_clients_of_several_runs_together(tmp_path: Path) -
     assert any(len({trainer.run_of_state(c.state) for c in g.clients}) == 2 for g in groups)
 
 
-@pytest.mark.parametrize("method", ["fedproto", "moon"])
+@pytest.mark.parametrize(("method", "reassociate"), [("fedproto", True), ("moon", None)])
 def test_fused_runs_with_frozen_projections_use_one_product_per_run(
-    tmp_path: Path, method: str
+    tmp_path: Path, method: str, reassociate: bool | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With ``backbone.train_projection: false`` each seed's clients hold one frozen projection:
     the fused trainer keeps one per run (not a stacked per-client copy, which lost the cached
     evaluation products and made the VPDR preset's fused sweep slower than its runs one by
-    one), and the fused sweep still gives what each run gives alone."""
+    one), and the fused sweep still gives what each run gives alone, also with the projection
+    re-associated over pieces that mix the runs (BatchedTrainer.REASSOCIATE)."""
+    monkeypatch.setattr(BatchedTrainer, "REASSOCIATE", reassociate)
     cfgs = [
         tiny_config(method, "igpp", seed=seed, clients_per_domain=2).with_overrides(
             ["federation.execution=batched", "backbone.train_projection=false"]

@@ -299,16 +299,44 @@ class FrozenProjections:
         back[torch.tensor(order)] = torch.arange(len(order))
         return torch.cat(parts).index_select(0, back.to(a.device))
 
+    def times_up(self, u: torch.Tensor, which: Sequence[int]) -> torch.Tensor:
+        """``P_j U_i`` [k, d, H] for the adapters' up-projections ``u`` [k, d_in, H]."""
+        first = which[0]
+        if all(j == first for j in which):
+            return torch.matmul(self.table[first][0], u)
+        out = u.new_empty(u.shape[0], self.table[first][0].shape[0], u.shape[2])
+        for j in set(which):
+            idx = torch.tensor([i for i, x in enumerate(which) if x == j], device=u.device)
+            out[idx] = torch.matmul(self.table[j][0], u.index_select(0, idx))
+        return out
+
+    def grad_up(self, g_pu: torch.Tensor, which: Sequence[int], out: torch.Tensor) -> None:
+        """``out`` [k, d_in, H] = ``P_j^T g_pu_i`` (the gradient of ``U`` from that of ``P U``)."""
+        first = which[0]
+        if all(j == first for j in which):
+            torch.matmul(self.table[first][0].T, g_pu, out=out)
+            return
+        for j in set(which):
+            idx = torch.tensor([i for i, x in enumerate(which) if x == j], device=g_pu.device)
+            out.index_copy_(0, idx, torch.matmul(self.table[j][0].T, g_pu.index_select(0, idx)))
+
     def cached(self, z: torch.Tensor, j: int) -> torch.Tensor:
         """``proj_j(z)``, cached per input tensor and projection (kept alive with it, so the
         key cannot be reused; any in-place change invalidates it)."""
-        w, b = self.table[j]
-        stamp = (0 if z.is_inference() else z._version, w.data_ptr(), w._version, b._version)
         hit = self._y0.get((id(z), j))
-        if hit is None or hit[0] is not z or hit[1] != stamp:
-            hit = (z, stamp, F.linear(z.to(w.dtype), w, b))
+        if hit is None or hit[0] is not z or hit[1] != self._stamp(z, j):
+            hit = (z, self._stamp(z, j), self.project(z, j))
             self._y0[(id(z), j)] = hit
         return hit[2]
+
+    def project(self, z: torch.Tensor, j: int) -> torch.Tensor:
+        """``proj_j(z)`` of inputs ``z`` [n, d_in] (not cached)."""
+        w, b = self.table[j]
+        return F.linear(z.to(w.dtype), w, b)
+
+    def _stamp(self, z: torch.Tensor, j: int) -> tuple[int, ...]:
+        w, b = self.table[j]
+        return (0 if z.is_inference() else z._version, w.data_ptr(), w._version, b._version)
 
 
 # --------------------------------------------------------------------------------------------
@@ -348,6 +376,36 @@ class _BatchedLinear(torch.autograd.Function):
             torch.sum(grad, dim=1, out=gb)
         gx = torch.bmm(grad, w) if ctx.needs_input_grad[0] else None
         return gx, None, None, None, None, None
+
+
+class _ProjectedAdapter(torch.autograd.Function):
+    """``y0 + h (P U)^T`` for k clients: the frozen projection ``P`` of the adapted input
+    ``z + U h``, re-associated, with ``y0 = proj(z)`` computed beforehand and ``pu = P U``
+    [k, d, H].  The gradient of the up-projection ``U``, ``P^T (g^T h)``, is written into the
+    buffer ``gu`` [k, d_in, H] (as :class:`_BatchedLinear` does); ``h`` gets ``g (P U)``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        h: torch.Tensor,
+        y0: torch.Tensor,
+        pu: torch.Tensor,
+        gu: torch.Tensor | None,
+        grad_up: Any,
+        anchor: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(h, pu)
+        ctx.sink = (gu, grad_up)
+        return torch.baddbmm(y0, h, pu.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        h, pu = ctx.saved_tensors
+        gu, grad_up = ctx.sink
+        if gu is not None:
+            grad_up(torch.bmm(grad.transpose(1, 2), h), gu)
+        gh = torch.bmm(grad, pu) if ctx.needs_input_grad[0] else None
+        return gh, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -706,6 +764,7 @@ class BatchedTrainer:
         self.supported = self.reason is None
         self.store: _Store | None = None
         self._grad: dict[str, torch.Tensor] = {}
+        self._reassoc: tuple[bool, int] | None = None  # see _reassociated
         if not self.supported:
             log.info("%s; falling back to sequential", self.reason)
             return
@@ -953,6 +1012,66 @@ class BatchedTrainer:
             j = i
         return out[::-1]
 
+    # A frozen projection P of the adapted input z + U h can be re-associated: P z + b is
+    # computed once a round for every row (y0), and a step computes (P U) h instead of P applied
+    # to its rows.  Per client step of w rows that trades 2 w d_in d multiply-adds (the forward
+    # and the input gradient through P) and 3 w d_in H (the up-projection's products) for
+    # 2 d d_in H (P U and the gradient P^T g_PU) and 3 w d H; worth it for wide steps (w above
+    # ~58 at 1280 -> 512 with H = 64: the VPDR preset's batches of 256), not for narrow ones.
+    # None: decided by that count per group and piece; True / False: forced (tests)
+    REASSOCIATE: bool | None = None
+
+    def _reassociation(self, widths: torch.Tensor) -> tuple[bool, int]:
+        """(whether to compute ``y0`` and re-associate, the narrowest step width that gains)
+        for clients whose steps have ``widths`` rows (0: no step)."""
+        d, d_in = self.shapes["proj.weight"]
+        hidden = self.shapes["adapter.down.weight"][0]
+        per_row_old = 2 * d_in * d + 3 * d_in * hidden
+        per_row_new = 3 * d * hidden
+        fixed_new = 2 * d * d_in * hidden
+        # the narrowest width w with fixed_new + w per_row_new < w per_row_old
+        narrowest = fixed_new // (per_row_old - per_row_new) + 1
+        if self.REASSOCIATE is not None:
+            return self.REASSOCIATE, 1 if self.REASSOCIATE else 0
+        w = widths[widths > 0].double()
+        old = float((w * per_row_old).sum())
+        gain = w >= narrowest
+        rows = float(widths.sum()) / max(1, self.sim.config.federation.local_epochs)
+        new = (
+            rows * d_in * d
+            + float((fixed_new + w[gain] * per_row_new).sum())
+            + float((w[~gain] * per_row_old).sum())
+        )
+        return new < old, narrowest
+
+    def _reassociated(self) -> tuple[bool, int]:
+        """:meth:`_reassociation` of the whole population's local steps, decided once per run
+        (from its data and config alone, so a resumed or offloaded run decides the same)."""
+        if self._reassoc is None:
+            fed = self.sim.config.federation
+            widths = []
+            for c in self.sim.clients:
+                n, bs = c.data.num_train, fed.batch_size
+                widths += [bs] * (n // bs) + ([n % bs] if n % bs else [])
+            use, narrowest = self._reassociation(
+                torch.tensor(widths * fed.local_epochs, dtype=torch.long)
+            )
+            # a frozen projection and untransformed inputs (FedRDN's change z every step)
+            objective = self.objective
+            use = use and self.projections is not None
+            use = use and objective is not None and objective.inputs is None
+            self._reassoc = (use, narrowest)
+        return self._reassoc
+
+    def _y0(self, c: Client, j: int) -> torch.Tensor:
+        """``proj(z)`` of client ``c``'s training rows under projection ``j``: cached across
+        rounds when the store is in memory; computed each time when it is on disk (resident
+        memory must not grow with the population)."""
+        assert self.projections is not None and self.store is not None
+        if self.store.mapped:
+            return self.projections.project(c.data.train_z, j)
+        return self.projections.cached(c.data.train_z, j)
+
     def _train_group(self, group: _Group) -> list[float]:
         sim = self.sim
         store = self.store
@@ -977,6 +1096,11 @@ class BatchedTrainer:
         grads = self._grad_buffers(m)
         fixed: dict[str, torch.Tensor] = {}
         proj_of = self.projections.which(clients) if self.projections is not None else None
+        # a frozen projection re-associated (see REASSOCIATE): proj(z) of every row, once
+        y0_all: torch.Tensor | None = None
+        use, narrowest = self._reassociated()
+        if use and proj_of is not None:
+            y0_all = torch.cat([self._y0(c, j) for c, j in zip(clients, proj_of)])
         if not self.train_proj and self.projections is None:
             fixed = {
                 n: torch.stack([c.model.get_parameter(n).detach() for c in clients])
@@ -1019,7 +1143,8 @@ class BatchedTrainer:
                 w.update({n: t[a:b] for n, t in fixed.items()})
                 g = {n: t[a:b] for n, t in grads.items()}
                 which = proj_of[a:b] if proj_of is not None else None
-                f_raw = self._features(w, g, z, which)
+                y0 = y0_all[rows] if y0_all is not None and width >= narrowest else None
+                f_raw = self._features(w, g, z, which, y0)
                 f = soft_clip(f_raw, dcr.radius, dcr.gamma, dcr.mode) if dcr else f_raw
                 logits = self._head(w, g, f)
                 step = Step(
@@ -1132,10 +1257,22 @@ class BatchedTrainer:
         g: dict[str, torch.Tensor],
         z: torch.Tensor,
         which: Sequence[int] | None = None,
+        y0: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``proj(z + up(relu(down(z))))`` for k clients: [k, b, d_in] -> [k, b, d]
-        (``which``: each client's frozen projection, see :class:`FrozenProjections`)."""
+        (``which``: each client's frozen projection, see :class:`FrozenProjections`; ``y0``:
+        ``proj(z)`` [k, b, d], re-associated, see :attr:`REASSOCIATE`)."""
         h = torch.relu(self._linear(w, g, "adapter.down", z, bias=False))
+        if y0 is not None and which is not None and self.projections is not None:
+            projections = self.projections
+            pu = projections.times_up(w["adapter.up.weight"], which)
+
+            def grad_up(g_pu: torch.Tensor, out: torch.Tensor) -> None:
+                projections.grad_up(g_pu, which, out)
+
+            return _ProjectedAdapter.apply(
+                h, y0, pu, g.get("adapter.up.weight"), grad_up, self.anchor
+            )
         a = z + self._linear(w, g, "adapter.up", h, bias=False)
         if self.projections is not None and which is not None:
             return self.projections.apply(a, which)
@@ -1300,7 +1437,16 @@ class BatchedTrainer:
             for i, c in enumerate(part):
                 z[i, : c.data.num_train] = c.data.train_z
             w = self._rows(store.param, [store.row[c.data.client] for c in part])
-            f = self._plain_features(self._with_projection(w, part), z, self._which(part))
+            proj_of = self._which(part)
+            y0 = None
+            if proj_of is not None and self._reassociated()[0]:
+                # re-associated as in training, with the same proj(z) of these rows
+                for i, (c, j) in enumerate(zip(part, proj_of)):
+                    y0_i = self._y0(c, j)
+                    if y0 is None:
+                        y0 = z.new_zeros(len(part), top, y0_i.shape[1])
+                    y0[i, : c.data.num_train] = y0_i
+            f = self._plain_features(self._with_projection(w, part), z, proj_of, y0)
             for i, j in enumerate(order[start:stop]):
                 out[j] = f[i, : clients[j].data.num_train].clone()
             store.page_out([store.row[c.data.client] for c in part])
@@ -1325,9 +1471,18 @@ class BatchedTrainer:
         return w
 
     def _plain_features(
-        self, w: Mapping[str, torch.Tensor], z: torch.Tensor, which: Sequence[int] | None
+        self,
+        w: Mapping[str, torch.Tensor],
+        z: torch.Tensor,
+        which: Sequence[int] | None,
+        y0: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``proj(z + up(relu(down(z))))`` without gradients; ``y0``: ``proj(z)``, which
+        re-associates a frozen projection (``y0 + h (P U)^T``)."""
         h = torch.relu(torch.bmm(z, w["adapter.down.weight"].transpose(1, 2)))
+        if y0 is not None and which is not None and self.projections is not None:
+            pu = self.projections.times_up(w["adapter.up.weight"], which)
+            return torch.baddbmm(y0, h, pu.transpose(1, 2))
         a = z + torch.bmm(h, w["adapter.up.weight"].transpose(1, 2))
         return self._project(w, a, which)
 
