@@ -6,8 +6,11 @@ at a time, as ``protofl sweep --no-fuse``) and with fusion on (the default: IGPP
 one fused group, VPDR's 3 another, since VPDR trains with DCR and IGPP does not), the ratios,
 and every run's final accuracy in both modes (they agree to float rounding).
 
-The configuration is the default one (digits4 at 64 px, 4 clients, FedProto) with
-``federation.execution=batched`` and ``federation.rounds`` (``--rounds``, default 5).  The
+The configuration is the default one (digits4 at 64 px, 4 clients, FedProto; its 1280 -> 512
+projection trains) or, with ``--preset vpdr``, VPDR's protocol (``preset: vpdr``: 10% of each
+digits4 domain, one client per domain, a frozen projection, an MLP head, 2 local epochs of
+batches of 256), with ``federation.execution=batched`` and ``federation.rounds`` (``--rounds``,
+default 5).  The
 features of every seed are cached before anything is timed (each seed draws its own training
 subsample, whose features are extracted once), so all three timings read the same cache.  All
 timings are in this process's clock, after imports: process start-up is in the separate sweep
@@ -20,7 +23,7 @@ The same comparison is also timed as a user meets it, whole commands in their ow
 (``cli_*``): ``protofl run`` of one point (IGPP and VPDR) against ``protofl sweep`` of the
 6-point grid (fused, ``--jobs``), each from interpreter start to exit.
 
-Usage: python benchmarks/bench_fused.py [--rounds 5] [--jobs N] [--repeat 2]
+Usage: python benchmarks/bench_fused.py [--rounds 5] [--jobs N] [--repeat 2] [--preset vpdr]
 """
 
 from __future__ import annotations
@@ -46,9 +49,14 @@ SEEDS = [0, 1, 2]
 MECHANISMS = ["igpp", "vpdr"]
 
 
+PRESET: str | None = None  # --preset
+
+
 def base(rounds: int) -> dict[str, Any]:
-    """The default config, batched, ``rounds`` rounds, no progress bars."""
-    cfg = ExperimentConfig().with_overrides(
+    """The default config (or :data:`PRESET`'s), batched, ``rounds`` rounds, no progress
+    bars."""
+    start = ExperimentConfig.from_dict({"preset": PRESET}) if PRESET else ExperimentConfig()
+    cfg = start.with_overrides(
         [
             "federation.execution=batched",
             f"federation.rounds={rounds}",
@@ -92,19 +100,13 @@ def cli_wall(args: list[str]) -> float:
 
 def cli_walls(rounds: int, jobs: int, out: Path) -> dict[str, float]:
     """Whole-command wall seconds: ``protofl run`` of each mechanism and ``protofl sweep`` of
-    the 6-point grid (fused)."""
-    sets = [
-        "--set",
-        "federation.execution=batched",
-        "--set",
-        f"federation.rounds={rounds}",
-        "--set",
-        "run.progress=false",
-    ]
+    the 6-point grid (fused), both from the same config (:func:`base`)."""
+    config = out / "config.yaml"
+    config.write_text(json.dumps(base(rounds)))  # JSON is YAML
     walls = {}
     for mech in MECHANISMS:
         walls[f"cli-one-{mech}"] = cli_wall(
-            ["run", "--quiet", "--out", str(out / f"one-{mech}"), *sets,
+            ["run", str(config), "--quiet", "--out", str(out / f"one-{mech}"),
              "--set", f"privacy.mechanism={mech}"]
         )  # fmt: skip
     sweep = out / "sweep.yaml"
@@ -129,7 +131,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--repeat", type=int, default=2, help="interleaved repetitions")
+    parser.add_argument("--preset", choices=["vpdr"], help="a paper's protocol (default: none)")
     args = parser.parse_args()
+    global PRESET
+    PRESET = args.preset
     home = protofl_home()
     for seed in SEEDS:  # extract (or find) every seed's features before timing anything
         build_federated_data(ExperimentConfig.from_dict({**base(args.rounds), "seed": seed}), home)
@@ -168,8 +173,14 @@ def main() -> None:
         json.dumps(
             {
                 "bench": "fused_sweep",
-                "config": f"default (digits4 64px, 4 clients, fedproto), batched, "
-                f"{args.rounds} rounds; grid seed={SEEDS} x privacy.mechanism={MECHANISMS}",
+                "config": (
+                    "preset vpdr (digits4 10%, 4 clients, frozen projection, fedproto)"
+                    if PRESET
+                    else "default (digits4 64px, 4 clients, fedproto)"
+                )
+                + f", batched, {args.rounds} rounds; grid seed={SEEDS} x "
+                f"privacy.mechanism={MECHANISMS}",
+                "preset": PRESET,
                 "jobs": args.jobs,
                 "cores": os.cpu_count(),
                 "machine": platform.machine(),

@@ -28,7 +28,9 @@ the engine trains.  Sections:
 * ``m10000``: 10,000 clients, 10% participation, 20 rounds, client state on disk
   (``bench_m1000.py --scale m10000``): wall time, peak RSS, the store's size on disk, accuracy.
 * ``fused``: a fused sweep of 3 seeds x 2 mechanisms against its 6 runs one by one and against
-  one run (``bench_fused.py``, in its own process; ``fused_over_one_run``, target within 2x).
+  one run (``bench_fused.py``, in its own process; ``fused_over_one_run``, target within 2x);
+  ``fused_vpdr``: the same under VPDR's protocol (``bench_fused.py --preset vpdr``: a frozen
+  projection, batches of 256; ``fused_over_one_run_vpdr_preset``).
 
 Usage: python benchmarks/bench_suite.py [--out benchmarks/results.json] [--quick]
 """
@@ -497,9 +499,10 @@ def m1000(rounds: int, scale: str = "m1000", *overrides: str) -> dict[str, Any]:
     return result
 
 
-def fused(rounds: int, repeat: int) -> dict[str, Any]:
-    """bench_fused.py's fused sweep against separate runs, in its own process (its own workers)."""
-    cmd = [sys.executable, str(HERE / "bench_fused.py"), "--rounds", str(rounds)]
+def fused(rounds: int, repeat: int, *preset: str) -> dict[str, Any]:
+    """bench_fused.py's fused sweep against separate runs, in its own process (its own workers);
+    ``preset``: e.g. ``"--preset", "vpdr"``."""
+    cmd = [sys.executable, str(HERE / "bench_fused.py"), "--rounds", str(rounds), *preset]
     cmd += ["--repeat", str(repeat), "--jobs", str(min(2, os.cpu_count() or 1))]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -557,6 +560,10 @@ def main() -> None:
     results["fused"] = step(
         "fused sweep", lambda: fused(3 if args.quick else 5, 1 if args.quick else 2)
     )
+    results["fused_vpdr"] = step(
+        "fused sweep, VPDR preset",
+        lambda: fused(3 if args.quick else 5, 1, "--preset", "vpdr"),
+    )
     results["machine"]["load_average_end"] = list(os.getloadavg())
     results["suite_wall_s"] = time.perf_counter() - t0
     results.update(
@@ -594,6 +601,8 @@ def main() -> None:
             # the same as whole commands: protofl sweep (fused) over protofl run
             "fused_over_one_run_cli": results["fused"]["cli_fused_over_one_run"],
             "separate_over_one_run": results["fused"]["separate_over_one_run"],
+            "fused_over_one_run_vpdr_preset": results["fused_vpdr"]["fused_over_one_run"],
+            "separate_over_fused_vpdr_preset": results["fused_vpdr"]["separate_over_fused"],
         }
     )
     print_table(results)
