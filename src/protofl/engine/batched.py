@@ -1012,13 +1012,15 @@ class BatchedTrainer:
             j = i
         return out[::-1]
 
-    # A frozen projection P of the adapted input z + U h can be re-associated: P z + b is
-    # computed once a round for every row (y0), and a step computes (P U) h instead of P applied
-    # to its rows.  Per client step of w rows that trades 2 w d_in d multiply-adds (the forward
-    # and the input gradient through P) and 3 w d_in H (the up-projection's products) for
-    # 2 d d_in H (P U and the gradient P^T g_PU) and 3 w d H; worth it for wide steps (w above
-    # ~58 at 1280 -> 512 with H = 64: the VPDR preset's batches of 256), not for narrow ones.
-    # None: decided by that count per group and piece; True / False: forced (tests)
+    # A frozen projection P of the adapted input z + U h can be re-associated: y0 = P z + b of
+    # every training row is computed once per client (_y0), and a step computes (P U) h instead
+    # of P applied to its rows.  Per client step of w rows that trades 2 w d_in d multiply-adds
+    # (the forward and the input gradient through P) and 3 w d_in H (the up-projection's
+    # products) for 2 d d_in H (P U and the gradient P^T g_PU) and 3 w d H; worth it for wide
+    # steps (w above ~58 at 1280 -> 512 with H = 64: the VPDR preset's batches of 256), not for
+    # narrow ones.  The cached y0 costs d / d_in of the training features' float32 memory.
+    # None: decided by that count, once per run (_reassociated), then per piece by its width;
+    # True / False: forced (tests)
     REASSOCIATE: bool | None = None
 
     def _reassociation(self, widths: torch.Tensor) -> tuple[bool, int]:
