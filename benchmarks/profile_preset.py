@@ -1,8 +1,9 @@
 """One round of a paper's protocol (``preset: vpdr`` by default): the round, upload and
-training times of three rounds after a warm-up round (batched executor, one thread) and a torch
-profiler table of a fourth.
+training times of three rounds after a warm-up round (batched executor unless ``--execution
+sequential``, one thread) and a torch profiler table of a fourth.
 
-Usage: python benchmarks/profile_preset.py [--preset vpdr] [--mechanism vpdr] [--rows 18]
+Usage: python benchmarks/profile_preset.py [--preset vpdr] [--mechanism vpdr]
+       [--execution batched|sequential] [--rows 18]
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="vpdr")
     parser.add_argument("--mechanism", default="vpdr")
+    parser.add_argument("--execution", choices=["batched", "sequential"], default="batched")
     parser.add_argument("--rows", type=int, default=18, help="rows of the profiler table")
     args = parser.parse_args()
     cfg = ExperimentConfig.from_dict(
         {
             "preset": args.preset,
             "privacy": {"mechanism": args.mechanism},
-            "federation": {"execution": "batched", "checkpoint": False},
+            "federation": {"execution": args.execution, "checkpoint": False},
             "run": {"progress": False},
         }
     )
