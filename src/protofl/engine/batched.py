@@ -283,41 +283,41 @@ class FrozenProjections:
         """Each client's projection (index into :attr:`table`)."""
         return [self.of[c.data.client] for c in clients]
 
+    @staticmethod
+    def _split(which: Sequence[int], device: torch.device) -> list[tuple[int, torch.Tensor]]:
+        """``(projection, positions holding it)`` for each distinct projection of ``which``."""
+        return [
+            (j, torch.tensor([i for i, x in enumerate(which) if x == j], device=device))
+            for j in sorted(set(which))
+        ]
+
     def apply(self, a: torch.Tensor, which: Sequence[int]) -> torch.Tensor:
         """``proj_j(a[i])`` for each client ``i`` of ``a`` [k, n, d_in], ``j = which[i]``:
         one ``F.linear`` per distinct projection (differentiable in ``a``)."""
-        first = which[0]
-        if all(j == first for j in which):
-            return F.linear(a, *self.table[first])
-        parts, order = [], []
-        for j in sorted(set(which)):
-            idx = [i for i, x in enumerate(which) if x == j]
-            sel = torch.tensor(idx, device=a.device)
-            parts.append(F.linear(a.index_select(0, sel), *self.table[j]))
-            order += idx
-        back = torch.empty(len(order), dtype=torch.long)
-        back[torch.tensor(order)] = torch.arange(len(order))
-        return torch.cat(parts).index_select(0, back.to(a.device))
+        if len(set(which)) == 1:
+            return F.linear(a, *self.table[which[0]])
+        split = self._split(which, a.device)
+        parts = [F.linear(a.index_select(0, idx), *self.table[j]) for j, idx in split]
+        order = torch.cat([idx for _, idx in split])
+        back = torch.empty_like(order)
+        back[order] = torch.arange(len(order), device=a.device)
+        return torch.cat(parts).index_select(0, back)
 
     def times_up(self, u: torch.Tensor, which: Sequence[int]) -> torch.Tensor:
         """``P_j U_i`` [k, d, H] for the adapters' up-projections ``u`` [k, d_in, H]."""
-        first = which[0]
-        if all(j == first for j in which):
-            return torch.matmul(self.table[first][0], u)
-        out = u.new_empty(u.shape[0], self.table[first][0].shape[0], u.shape[2])
-        for j in set(which):
-            idx = torch.tensor([i for i, x in enumerate(which) if x == j], device=u.device)
+        if len(set(which)) == 1:
+            return torch.matmul(self.table[which[0]][0], u)
+        out = u.new_empty(u.shape[0], self.table[which[0]][0].shape[0], u.shape[2])
+        for j, idx in self._split(which, u.device):
             out[idx] = torch.matmul(self.table[j][0], u.index_select(0, idx))
         return out
 
     def grad_up(self, g_pu: torch.Tensor, which: Sequence[int], out: torch.Tensor) -> None:
         """``out`` [k, d_in, H] = ``P_j^T g_pu_i`` (the gradient of ``U`` from that of ``P U``)."""
-        first = which[0]
-        if all(j == first for j in which):
-            torch.matmul(self.table[first][0].T, g_pu, out=out)
+        if len(set(which)) == 1:
+            torch.matmul(self.table[which[0]][0].T, g_pu, out=out)
             return
-        for j in set(which):
-            idx = torch.tensor([i for i, x in enumerate(which) if x == j], device=g_pu.device)
+        for j, idx in self._split(which, g_pu.device):
             out.index_copy_(0, idx, torch.matmul(self.table[j][0].T, g_pu.index_select(0, idx)))
 
     def cached(self, z: torch.Tensor, j: int) -> torch.Tensor:
@@ -1096,18 +1096,14 @@ class BatchedTrainer:
         opt_step = {n: group.take(store.step[n]) for n in adam}
         teacher = {n: group.take(t) for n, t in store.teacher.items()}
         grads = self._grad_buffers(m)
-        fixed: dict[str, torch.Tensor] = {}
-        proj_of = self.projections.which(clients) if self.projections is not None else None
+        # the clients' stacked frozen projections when there is no table of them
+        fixed = self._with_projection({}, clients)
+        proj_of = self._which(clients)
         # a frozen projection re-associated (see REASSOCIATE): proj(z) of every row, once
         y0_all: torch.Tensor | None = None
         use, narrowest = self._reassociated()
         if use and proj_of is not None:
             y0_all = torch.cat([self._y0(c, j) for c, j in zip(clients, proj_of)])
-        if not self.train_proj and self.projections is None:
-            fixed = {
-                n: torch.stack([c.model.get_parameter(n).detach() for c in clients])
-                for n in ("proj.weight", "proj.bias")
-            }
         dcr = clients[0].dcr
         dcr_steps = torch.tensor([c.dcr.steps for c in clients]) if dcr is not None else None
         # the method's declared terms, prepared once for the group (prototype table, anchors)
