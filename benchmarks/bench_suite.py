@@ -349,10 +349,30 @@ def cache(per_domain: int) -> dict[str, float]:
     return {"round_cached_s": cached, "round_uncached_s": uncached, "speedup": uncached / cached}
 
 
+def train_macs_per_row(cfg: ExperimentConfig, data: FederatedData) -> int:
+    """Multiply-adds of one training row of the client model (residual adapter ``d_in -> hidden
+    -> d_in``, projection ``d_in -> d``, linear head ``d -> k``): the forward, the input
+    gradient of every layer but the first (the cached features need none), and the weight
+    gradient of every trainable layer (none of a frozen projection).  Exactly what the batched
+    trainer multiplies when no step is padded (tests/test_benchmarks.py counts it)."""
+    if cfg.backbone.head != "linear":
+        raise ValueError(
+            f"train_macs_per_row counts a linear head, not backbone.head={cfg.backbone.head!r}"
+        )
+    d_in, d, hidden = data.feature_dim, cfg.backbone.proto_dim, cfg.backbone.adapter_hidden
+    down, up, proj, head = d_in * hidden, hidden * d_in, d_in * d, d * data.num_classes
+    forward = down + up + proj + head
+    input_grads = up + proj + head
+    weight_grads = down + up + (proj if cfg.backbone.train_projection else 0) + head
+    return forward + input_grads + weight_grads
+
+
 def roofline(m: int = 100, model: Sequence[str] = ()) -> dict[str, Any]:
     """What bounds one round of batched training at M = ``m`` (the default model, or ``model``
-    =FROZEN: a frozen projection): its arithmetic (GFLOP of the adapter, projection and head,
-    forward and backward; no weight gradient of a frozen projection) at the rate ``torch.bmm``
+    =FROZEN: a frozen projection): its arithmetic (:func:`train_macs_per_row`: forward and
+    backward, no input gradient into the first layer, no weight gradient of a frozen
+    projection; until 2026-12-03 the count also charged the first layer's input gradient,
+    3-4% more than the trainer computes) at the rate ``torch.bmm``
     reaches on projection-shaped products, plus its AdamW memory traffic (trainable parameters)
     at the rate the fused kernel reaches; with one and two intra-op threads.  The data is
     ``train_round``'s for the same ``m`` and ``model``."""
@@ -363,10 +383,7 @@ def roofline(m: int = 100, model: Sequence[str] = ()) -> dict[str, Any]:
     d_in, d, hidden = data.feature_dim, cfg.backbone.proto_dim, cfg.backbone.adapter_hidden
     k = data.num_classes
     trained_proj = cfg.backbone.train_projection
-    fwd = d_in * d + 2 * d_in * hidden + d * k
-    # forward, input gradients, weight gradients (of the trainable layers)
-    macs = 2 * fwd + (fwd if trained_proj else fwd - d_in * d)
-    gflop = 2 * macs * n / 1e9
+    gflop = 2 * train_macs_per_row(cfg, data) * n / 1e9
     params = (d_in * d + d if trained_proj else 0) + 2 * d_in * hidden + d * k + k
     bs = cfg.federation.batch_size
     steps = sum(-(-c.num_train // bs) for c in data.clients) / len(data.clients)
