@@ -626,18 +626,22 @@ def _offload_config(state: str, *extra: str) -> ExperimentConfig:
     )
 
 
-@pytest.mark.parametrize("frozen", [False, True])
+@pytest.mark.parametrize("variant", ["adamw", "frozen-reassociated", "sgd-momentum"])
 def test_offloaded_and_in_memory_runs_give_identical_summaries(
-    tmp_path: Path, frozen: bool, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, variant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Also with a frozen projection re-associated: in memory its proj(z) is cached per client
-    across rounds, on disk it is computed each round (resident memory stays with the round)."""
+    """Also with a frozen projection re-associated (in memory its proj(z) is cached per client
+    across rounds, on disk it is computed each round: resident memory stays with the round),
+    and with SGD's momentum buffers (in the store's ``exp_avg`` rows, never written before a
+    client's first step on disk)."""
     from protofl.engine.runner import STATE_DIR, run_experiment
 
     extra = ["run.save_releases=false"]
-    if frozen:
+    if variant == "frozen-reassociated":
         monkeypatch.setattr(BatchedTrainer, "REASSOCIATE", True)
         extra.append("backbone.train_projection=false")
+    if variant == "sgd-momentum":
+        extra += ["federation.optimizer=sgd", "federation.momentum=0.9"]
     runs = {}
     for state in ("memory", "disk"):
         cfg = _offload_config(state, *extra)
@@ -660,6 +664,33 @@ def test_offloaded_clients_point_into_the_mapped_files(tmp_path: Path) -> None:
         r = store.row[c.data.client]
         assert c.model.head.weight.data_ptr() == store.param["head.weight"][r].data_ptr()
         assert c.dcr.teacher.weight.data_ptr() == store.teacher["weight"][r].data_ptr()
+
+
+def test_a_first_adoption_leaves_the_mapped_moments_unwritten(tmp_path: Path) -> None:
+    """A fresh mapped store reads as zeros: adopting a never-stepped client points its AdamW
+    state at its rows without writing them (the moment files stay sparse; the run itself
+    equals the in-memory one, test_offloaded_and_in_memory_runs_give_identical_summaries).
+    Once a row has held a state, a client without one gets its moments zeroed again."""
+    cfg = _offload_config("disk")
+    sim = Simulation(cfg, _data(cfg), state_dir=tmp_path / "state")
+    store = sim.batched.store
+    moments = sorted((tmp_path / "state").glob("exp_avg*.f32"))
+    assert len(moments) == 2 * len(store.names)
+    blocks = sum(f.stat().st_blocks for f in moments)
+    c = sim.clients[0]
+    r = store.row[c.data.client]
+    assert store.adopt(c) == 0  # its parameters were offloaded when it was built
+    assert sum(f.stat().st_blocks for f in moments) == blocks
+    for n, path in zip(store.names, store.paths):
+        st = c.optimizer.state[store._get(c.model, path)]
+        assert st["exp_avg"].data_ptr() == store.exp_avg[n][r].data_ptr()
+        assert not st["exp_avg"].any() and not st["exp_avg_sq"].any() and st["step"] == 0
+    for n in store.names:  # another state's values in the rows, then a client without state
+        store.exp_avg[n][r].fill_(1.0)
+        store.exp_avg_sq[n][r].fill_(1.0)
+    c.optimizer.state.clear()
+    assert store.adopt(c) > 0
+    assert not any(store.exp_avg[n][r].any() or store.exp_avg_sq[n][r].any() for n in store.names)
 
 
 def test_a_memory_budget_below_one_client_is_refused_naming_the_setting() -> None:

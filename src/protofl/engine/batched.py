@@ -466,6 +466,11 @@ class _Store:
         self.exp_avg_sq = {n: new("exp_avg_sq", n, shapes[n]) for n in adam_names}
         self.step = {n: new("step", n, ()).zero_() for n in adam_names}
         self.teacher = {n: new("teacher", n, s) for n, s in teacher_shapes.items()}
+        # rows whose optimizer moments were never written: a fresh mapped file reads as zeros
+        # (a hole), so a client's first adoption points its zero moments there without
+        # writing them (which would dirty, write back and re-read every page before the first
+        # step, 10-25% of an early 10,000-client round); in memory the rows are uninitialised
+        self._unwritten: set[int] = set(range(m)) if directory is not None else set()
 
         # (first byte, bytes per row) of every store tensor: row pointers without views
         self._layout: dict[int, tuple[int, int]] = {}
@@ -526,7 +531,8 @@ class _Store:
         """Point ``c``'s trainable tensors at its rows (copying their current values); with
         ``optimizer`` also its AdamW state (created, as AdamW would, if it has none yet) or
         its SGD momentum buffer (in the ``exp_avg`` rows; zero before the first step, which
-        dampening-free SGD treats exactly as a missing buffer).
+        dampening-free SGD treats exactly as a missing buffer).  Fresh state is zeroed in its
+        rows unless no state has held them yet in a mapped store (they read as zeros).
         Returns the bytes written into the store (copied tensors' old storage is now free);
         0 when the client already points at its rows."""
         r = self.row[c.data.client]
@@ -535,6 +541,7 @@ class _Store:
         state = c.optimizer.state
         sgd = _optimizer_kind(c.optimizer) == "sgd"
         momentum = float(c.optimizer.param_groups[0].get("momentum", 0.0)) if sgd else 0.0
+        zero = r not in self._unwritten  # the moment rows may hold another state's values
         for n, path in zip(self.names, self.paths):
             p = self._get(model, path)
             moved += self._point(p, self.param[n], r)
@@ -542,7 +549,7 @@ class _Store:
                 continue
             if sgd:
                 if momentum != 0.0:
-                    moved += self._adopt_buffer(state, p, self.exp_avg[n], r)
+                    moved += self._adopt_buffer(state, p, self.exp_avg[n], r, zero)
                 continue
             st = state.get(p)
             if not st:  # never stepped: AdamW's own initial state, here in the store
@@ -552,9 +559,10 @@ class _Store:
                     ("exp_avg", self.exp_avg),
                     ("exp_avg_sq", self.exp_avg_sq),
                 ):
-                    store[n][r].zero_()
+                    if zero:
+                        store[n][r].zero_()
+                        moved += store[n][r].numel() * store[n].element_size()
                     st[key] = store[n][r]
-                    moved += store[n][r].numel() * store[n].element_size()
                 continue
             for key, store in (
                 ("step", self.step),
@@ -567,18 +575,25 @@ class _Store:
                     view.copy_(value.detach().reshape(view.shape).to(view.dtype))
                     st[key] = view
                     moved += value.numel() * value.element_size()
+        if optimizer:
+            self._unwritten.discard(r)
         if c.dcr is not None:
             for n, path in zip(self.teacher, self.teacher_paths):
                 moved += self._point(self._get(c.dcr.teacher, path), self.teacher[n], r)
         return moved
 
-    def _adopt_buffer(self, state: Any, p: torch.Tensor, store: torch.Tensor, r: int) -> int:
+    def _adopt_buffer(
+        self, state: Any, p: torch.Tensor, store: torch.Tensor, r: int, zero: bool = True
+    ) -> int:
         """SGD's ``momentum_buffer`` of ``p`` in row ``r`` of ``store`` (zeroed when SGD has
-        none yet); the bytes written."""
+        none yet, unless the row is known unwritten: ``zero`` false); the bytes written."""
         st = state[p]
         view = store[r]
         buf = st.get("momentum_buffer")
         if buf is None:
+            if not zero:
+                st["momentum_buffer"] = view
+                return 0
             view.zero_()
         elif buf.data_ptr() == self._ptr(store, r):
             return 0
