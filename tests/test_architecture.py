@@ -140,6 +140,7 @@ TESTS = Path(__file__).resolve().parent
 # every loader, the examples, the installed package and this file
 CROSS_CUTTING = {
     "test_architecture",
+    "test_benchmarks",  # benchmarks/ (as test_examples tests examples/)
     "test_examples",
     "test_packaging",
     "engine/test_faults",
