@@ -559,9 +559,7 @@ class _Store:
                     ("exp_avg", self.exp_avg),
                     ("exp_avg_sq", self.exp_avg_sq),
                 ):
-                    if zero:
-                        store[n][r].zero_()
-                        moved += store[n][r].numel() * store[n].element_size()
+                    moved += self._zeroed(store[n][r], zero)
                     st[key] = store[n][r]
                 continue
             for key, store in (
@@ -590,16 +588,22 @@ class _Store:
         st = state[p]
         view = store[r]
         buf = st.get("momentum_buffer")
-        if buf is None:
-            if not zero:
-                st["momentum_buffer"] = view
-                return 0
-            view.zero_()
-        elif buf.data_ptr() == self._ptr(store, r):
+        if buf is not None and buf.data_ptr() == self._ptr(store, r):
             return 0
-        else:
-            view.copy_(buf.detach().reshape(view.shape).to(view.dtype))
         st["momentum_buffer"] = view
+        if buf is None:
+            return self._zeroed(view, zero)
+        view.copy_(buf.detach().reshape(view.shape).to(view.dtype))
+        return view.numel() * view.element_size()
+
+    @staticmethod
+    def _zeroed(view: torch.Tensor, zero: bool) -> int:
+        """A fresh optimizer state's row: zeroed, unless ``zero`` is false (a mapped row no
+        state has held yet reads as zeros; writing it would only dirty its pages); the bytes
+        written."""
+        if not zero:
+            return 0
+        view.zero_()
         return view.numel() * view.element_size()
 
     def adopt_all(self, clients: Sequence[Client], *, optimizer: bool = True) -> None:
