@@ -22,6 +22,7 @@ from protofl.engine.federated_data import FederatedData, build_federated_data
 from protofl.engine.simulation import Simulation
 from protofl.methods.base import Batch, ClientState, GlobalState
 from protofl.methods.baselines import FedAvg
+from protofl.models.client import build_client_model
 from protofl.privacy import create_mechanism
 from protofl.privacy.config import PrivacyConfig
 from protofl.privacy.mechanisms import release_many
@@ -443,10 +444,21 @@ def test_too_many_clients_fail_with_the_partitioner_numbers() -> None:
 def test_frozen_projection_is_shared() -> None:
     cfg = _config(**{"backbone.train_projection": "false", "federation.execution": "batched"})
     sim = Simulation(cfg, _data(cfg))
-    # the engine pools identical frozen parameters as it builds the clients
+    # homogeneous clients are copies of one built model, holding its frozen tensors from the
+    # start (nothing for the pool to free)
     first = sim.clients[0].model.proj.weight
     assert all(c.model.proj.weight is first for c in sim.clients)
-    assert sim.frozen_pool.shared_bytes == (len(sim.clients) - 1) * (first.numel() + 32) * 4
+    assert sim.frozen_pool.shared_bytes == 0
+    # models built one by one (a backbone that builds each client) are pooled as they come
+    built = [
+        build_client_model(first.shape[1], 3, cfg.backbone, torch.Generator().manual_seed(0))
+        for _ in range(3)
+    ]
+    pool = FrozenParameterPool()
+    for model in built:
+        pool.share(model)
+    assert all(m.proj.weight is built[0].proj.weight for m in built)
+    assert pool.shared_bytes == 2 * (first.numel() + 32) * 4
     # trainable parameters stay per client
     heads = {id(c.model.head.weight) for c in sim.clients}
     assert len(heads) == len(sim.clients)
@@ -691,6 +703,33 @@ def test_a_first_adoption_leaves_the_mapped_moments_unwritten(tmp_path: Path) ->
     c.optimizer.state.clear()
     assert store.adopt(c) > 0
     assert not any(store.exp_avg[n][r].any() or store.exp_avg_sq[n][r].any() for n in store.names)
+
+
+def test_zero_parameters_are_offloaded_without_writing(tmp_path: Path) -> None:
+    """A fresh adapter's up-projection (and its DCR teacher's) is zero: building the clients of
+    an offloaded run points it at never-written rows (its files stay sparse) instead of
+    writing zeros; non-zero tensors are written; a row once adopted is written as before."""
+    cfg = _offload_config("disk")
+    sim = Simulation(cfg, _data(cfg), state_dir=tmp_path / "state")
+    store = sim.batched.store
+    ups = [n for n in store.names if n.startswith("adapter.up")]
+    assert ups and store.teacher
+    for kind, group in (("param", store.param), ("teacher", store.teacher)):
+        for n in group:
+            blocks = (tmp_path / "state" / f"{kind}.{n}.f32").stat().st_blocks
+            assert (blocks == 0) == n.startswith("adapter.up"), (kind, n, blocks)
+    c = sim.clients[0]
+    r = store.row[c.data.client]
+    for n, path in zip(store.names, store.paths):
+        p = store._get(c.model, path)
+        assert p.data_ptr() == store.param[n][r].data_ptr()
+        assert bool(p.any()) != n.startswith("adapter.up")
+    # not blank any more: a client's new zero tensor is written over the row's values
+    store.param[ups[0]][r].fill_(1.0)
+    p = store._get(c.model, store.paths[store.names.index(ups[0])])
+    p.data = torch.zeros_like(p)
+    assert store.adopt(c, optimizer=False) == p.numel() * 4
+    assert not store.param[ups[0]][r].any()
 
 
 def test_a_memory_budget_below_one_client_is_refused_naming_the_setting() -> None:

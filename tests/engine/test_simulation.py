@@ -13,6 +13,7 @@ from protofl.engine.batched import BatchedTrainer
 from protofl.engine.federated_data import build_federated_data
 from protofl.engine.simulation import Simulation
 from protofl.methods.checks import tiny_config
+from protofl.seeding import Stream, derive_seed
 
 
 def _sim(device: str = "auto", amp: str = "none", mechanism: str = "vpdr", **extra: Any) -> Any:
@@ -163,3 +164,46 @@ def test_an_evaluation_budget_leaves_training_and_the_headline_unchanged() -> No
         for c in sim.clients:
             by_domain.setdefault(c.data.domain, set()).add(id(sim.test_set(c, sample=True)[0]))
         assert all(len(ids) == 1 for ids in by_domain.values())
+
+
+def test_homogeneous_clients_are_copies_of_one_built_model(monkeypatch: Any) -> None:
+    """Clients that start identical (``client_model_key``) are built once and copied: the
+    same weights as building each, trainable tensors of their own, one frozen projection."""
+    from protofl.models.backbones import FrozenBackbone, backbone_class
+
+    calls: list[int] = []
+    original = FrozenBackbone.client_model.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: Any, *args: Any, client: int = 0, **kw: Any) -> Any:
+        calls.append(client)
+        return original(cls, *args, client=client, **kw)
+
+    monkeypatch.setattr(FrozenBackbone, "client_model", classmethod(counting))
+    sim = _sim(mechanism="none", **{"backbone.train_projection": "false"})
+    assert len(sim.clients) == 4 and calls == [0]
+    cfg = sim.config
+    direct = backbone_class(cfg.backbone).client_model(
+        sim.data.feature_dim,
+        sim.data.num_classes,
+        cfg.backbone,
+        torch.Generator().manual_seed(derive_seed(cfg.seed, Stream.INIT)),
+    )
+    for c in sim.clients:
+        sd = c.model.state_dict()
+        assert all(torch.equal(v, sd[k]) for k, v in direct.state_dict().items())
+    ptrs = [[p.data_ptr() for p in c.model.parameters()] for c in sim.clients]
+    frozen = [i for i, p in enumerate(sim.clients[0].model.parameters()) if not p.requires_grad]
+    assert frozen and all(len({row[i] for row in ptrs}) == 1 for i in frozen)
+    trainable = [i for i in range(len(ptrs[0])) if i not in frozen]
+    assert all(len({row[i] for row in ptrs}) == len(ptrs) for i in trainable)
+
+
+def test_a_backbone_with_its_own_client_model_builds_every_client() -> None:
+    """An override of ``client_model`` may vary by client (heterogeneous families, a ResNet's
+    augmentation stream): unless it also declares ``client_model_key``, nothing is copied."""
+    from protofl.models.backbones import backbone_class
+    from protofl.models.heterogeneous import HtC4
+    from protofl.models.resnet import ResNet10
+
+    assert backbone_class(tiny_config("fedproto", "none").backbone).client_model_key(5) == 0
+    assert HtC4.client_model_key(5) is None and ResNet10.client_model_key(5) is None

@@ -471,6 +471,9 @@ class _Store:
         # writing them (which would dirty, write back and re-read every page before the first
         # step, 10-25% of an early 10,000-client round); in memory the rows are uninitialised
         self._unwritten: set[int] = set(range(m)) if directory is not None else set()
+        # likewise rows whose parameters (and DCR teacher) were never written: a client's
+        # zero tensors (a fresh adapter's up-projection, half its bytes) are pointed there as is
+        self._blank: set[int] = set(range(m)) if directory is not None else set()
 
         # (first byte, bytes per row) of every store tensor: row pointers without views
         self._layout: dict[int, tuple[int, int]] = {}
@@ -516,12 +519,16 @@ class _Store:
             module = module._modules[name]  # type: ignore[assignment]
         return module._parameters[path[-1]]
 
-    def _point(self, t: torch.Tensor, store: torch.Tensor, r: int) -> int:
+    def _point(self, t: torch.Tensor, store: torch.Tensor, r: int, blank: bool = False) -> int:
         """Copy ``t`` into row ``r`` of ``store`` and point ``t`` at it, unless it already is;
-        returns the bytes moved."""
+        returns the bytes moved.  ``blank``: the row was never written (it reads as zeros), so
+        an all-zero ``t`` is pointed there without writing."""
         if t.data_ptr() == self._ptr(store, r) and t.shape == store.shape[1:]:
             return 0
         view = store[r]
+        if blank and not bool(t.detach().any()):
+            t.data = view
+            return 0
         with torch.no_grad():
             view.copy_(t.detach())
         t.data = view
@@ -542,9 +549,11 @@ class _Store:
         sgd = _optimizer_kind(c.optimizer) == "sgd"
         momentum = float(c.optimizer.param_groups[0].get("momentum", 0.0)) if sgd else 0.0
         zero = r not in self._unwritten  # the moment rows may hold another state's values
+        blank = r in self._blank
+        self._blank.discard(r)
         for n, path in zip(self.names, self.paths):
             p = self._get(model, path)
-            moved += self._point(p, self.param[n], r)
+            moved += self._point(p, self.param[n], r, blank)
             if not optimizer:
                 continue
             if sgd:
@@ -577,7 +586,7 @@ class _Store:
             self._unwritten.discard(r)
         if c.dcr is not None:
             for n, path in zip(self.teacher, self.teacher_paths):
-                moved += self._point(self._get(c.dcr.teacher, path), self.teacher[n], r)
+                moved += self._point(self._get(c.dcr.teacher, path), self.teacher[n], r, blank)
         return moved
 
     def _adopt_buffer(

@@ -38,7 +38,7 @@ from protofl.methods import create_method
 from protofl.methods.base import Batch, ClientState, GlobalState, Method, Upload
 from protofl.methods.objectives import Group
 from protofl.models.backbones import backbone_class
-from protofl.models.client import ClientModel
+from protofl.models.client import ClientModel, copy_client_model
 from protofl.models.device import autocast, describe_device, prepare_device, to_cpu, to_device
 from protofl.privacy import create_mechanism
 from protofl.privacy.base import Mechanism, Release
@@ -133,15 +133,26 @@ class Simulation:
             self.state_dir = state_dir or Path(tempfile.mkdtemp(prefix="protofl-client-state-"))
             if state_dir is None:
                 weakref.finalize(self, shutil.rmtree, str(self.state_dir), True)
+        # clients whose fresh models are identical (Backbone.client_model_key) copy one template
+        templates: dict[int, ClientModel] = {}
         for cd in data.clients:
-            model: ClientModel = backbone_cls.client_model(  # type: ignore[assignment]
-                data.feature_dim,
-                data.num_classes,
-                config.backbone,
-                torch.Generator().manual_seed(init_seed),
-                client=cd.client,
-            )
-            model.to(self.device)
+            key = backbone_cls.client_model_key(cd.client)
+            template = templates.get(key) if key is not None else None
+            if template is None:
+                model: ClientModel = backbone_cls.client_model(  # type: ignore[assignment]
+                    data.feature_dim,
+                    data.num_classes,
+                    config.backbone,
+                    torch.Generator().manual_seed(init_seed),
+                    client=cd.client,
+                )
+                if key is not None:
+                    templates[key] = model
+                    model = copy_client_model(model)
+            else:
+                model = copy_client_model(template)
+            if self.device.type != "cpu":  # built on the CPU
+                model.to(self.device)
             self.frozen_pool.share(model)
             opt = make_optimizer(model.trainable_parameters(), fed)
             dcr = None

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import collections
+import copy
 import math
 from abc import ABC, abstractmethod
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from protofl.config import BackboneConfig
+
+M = TypeVar("M", bound=nn.Module)
 
 
 class ResidualAdapter(nn.Module):
@@ -90,3 +95,51 @@ def build_client_model(
     model = ClientModel(in_dim, num_classes, config)
     init_parameters(model, generator)
     return model
+
+
+def copy_client_model(template: M) -> M:
+    """An independent copy of a fresh client model (for clients that start identical): its own
+    trainable parameters and buffers, and the template's frozen parameters themselves (never
+    updated in place; :class:`~protofl.engine.batched.FrozenParameterPool` holds one anyway).
+
+    ``copy.deepcopy`` of the module tree, faster: a module's bookkeeping (empty hook dicts,
+    flags) is copied shallowly where it is empty or immutable (deepcopy spends ~2 ms per client
+    model on it); anything else is deep-copied as deepcopy would.
+    """
+    memo: dict[int, Any] = {id(p): p for p in template.parameters() if not p.requires_grad}
+
+    def tensor(t: torch.Tensor) -> torch.Tensor:
+        new = memo.get(id(t))
+        if new is None:
+            new = memo[id(t)] = copy.deepcopy(t, memo)
+        return new  # type: ignore[no-any-return]
+
+    def module(mod: nn.Module) -> nn.Module:
+        new = memo.get(id(mod))
+        if new is not None:
+            return new  # type: ignore[no-any-return]
+        new = memo[id(mod)] = object.__new__(type(mod))
+        state: dict[str, Any] = {}
+        for key, value in mod.__dict__.items():
+            if key in ("_parameters", "_buffers"):
+                state[key] = type(value)(
+                    (n, None if t is None else tensor(t)) for n, t in value.items()
+                )
+            elif key == "_modules":
+                state[key] = type(value)(
+                    (n, None if m is None else module(m)) for n, m in value.items()
+                )
+            elif type(value) in _IMMUTABLE:
+                state[key] = value
+            elif type(value) in _CONTAINERS and not value:
+                state[key] = type(value)()
+            else:
+                state[key] = copy.deepcopy(value, memo)
+        new.__dict__.update(state)
+        return new  # type: ignore[no-any-return]
+
+    return module(template)  # type: ignore[return-value]
+
+
+_IMMUTABLE = (bool, int, float, str, type(None))
+_CONTAINERS = (dict, collections.OrderedDict, set, list)
