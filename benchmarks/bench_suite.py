@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import platform
@@ -61,7 +62,11 @@ from engine_hooks import HookedSimulation  # noqa: E402
 
 from protofl.config import ExperimentConfig  # noqa: E402
 from protofl.data.cache import protofl_home  # noqa: E402
-from protofl.engine.batched import BatchedTrainer, _BatchedLinear  # noqa: E402
+from protofl.engine.batched import (  # noqa: E402
+    BatchedTrainer,
+    _BatchedLinear,
+    release_free_memory,
+)
 from protofl.engine.federated_data import FederatedData, build_federated_data  # noqa: E402
 from protofl.privacy import create_mechanism  # noqa: E402
 from protofl.privacy.mechanisms import release_many  # noqa: E402
@@ -495,6 +500,11 @@ def m1000(rounds: int, scale: str = "m1000", *overrides: str) -> dict[str, Any]:
     suite process's own resident memory and the machine's available memory at its start
     (what is left for the page cache of a run whose client state is on disk)."""
     sets = [a for o in overrides for a in ("--set", o)]
+    # what the suite freed (its data, earlier benchmarks' simulations) goes back to the system
+    # before the run starts: resident heap the suite no longer uses would only take page cache
+    # from a run whose client state is on disk
+    gc.collect()
+    release_free_memory()
     suite_rss, available = _status_gb("VmRSS"), _status_gb("MemAvailable", "/proc/meminfo")
     out = subprocess.run(
         [
