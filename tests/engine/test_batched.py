@@ -627,25 +627,25 @@ def test_a_mapped_tensor_keeps_its_values_when_its_pages_leave_the_resident_set(
 
 
 def _offload_config(state: str, *extra: str) -> ExperimentConfig:
-    return _config(
-        **{
-            "federation.execution": "batched",
-            "federation.participation": "0.5",
-            "privacy.mechanism": "vpdr",  # with DCR: teachers live in the store too
-            "run.client_state": state,
-        },
-        **dict(e.split("=", 1) for e in extra),
-    )
+    over = {
+        "federation.execution": "batched",
+        "federation.participation": "0.5",
+        "privacy.mechanism": "vpdr",  # with DCR: teachers live in the store too
+        "run.client_state": state,
+    }
+    over.update(e.split("=", 1) for e in extra)
+    return _config(**over)
 
 
-@pytest.mark.parametrize("variant", ["adamw", "frozen-reassociated", "sgd-momentum"])
+@pytest.mark.parametrize("variant", ["adamw", "frozen-reassociated", "sgd-momentum", "gathered"])
 def test_offloaded_and_in_memory_runs_give_identical_summaries(
     tmp_path: Path, variant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Also with a frozen projection re-associated (in memory its proj(z) is cached per client
     across rounds, on disk it is computed each round: resident memory stays with the round),
     and with SGD's momentum buffers (in the store's ``exp_avg`` rows, never written before a
-    client's first step on disk)."""
+    client's first step on disk), and with gathered groups (gaps in their rows) that mix
+    never-stepped clients with stepped ones."""
     from protofl.engine.runner import STATE_DIR, run_experiment
 
     extra = ["run.save_releases=false"]
@@ -654,6 +654,12 @@ def test_offloaded_and_in_memory_runs_give_identical_summaries(
         extra.append("backbone.train_projection=false")
     if variant == "sgd-momentum":
         extra += ["federation.optimizer=sgd", "federation.momentum=0.9"]
+    if variant == "gathered":  # groups with gaps in their rows, fresh and stepped clients mixed
+        extra += [
+            "data.clients_per_domain=6",
+            "federation.participation=0.4",
+            "federation.rounds=4",
+        ]
     runs = {}
     for state in ("memory", "disk"):
         cfg = _offload_config(state, *extra)
