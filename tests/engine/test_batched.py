@@ -799,3 +799,48 @@ def test_pieces_of_one_width_are_one_piece_and_a_wide_spread_is_cut() -> None:
     assert BatchedTrainer._pieces([64] * 100) == [(0, 100, 64)]
     # 100 clients of 64 rows and 100 of 2: padding the short ones to 64 would cost 6,200 rows
     assert BatchedTrainer._pieces([64] * 100 + [2] * 100) == [(0, 100, 64), (100, 200, 2)]
+
+
+def _reference_batches(
+    clients: list[object], steps: list[int], bs: int, epochs: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step rows spelled out client by client, epoch by epoch (as train_client draws)."""
+    m, width = len(clients), min(bs, max(c.data.num_train for c in clients))  # type: ignore[attr-defined]
+    index = torch.zeros(m, steps[0], width, dtype=torch.long)
+    valid = torch.zeros(m, steps[0], width, dtype=torch.bool)
+    offset = 0
+    for i, c in enumerate(clients):
+        n = c.data.num_train  # type: ignore[attr-defined]
+        per_epoch = math.ceil(n / bs)
+        for e in range(epochs):
+            perm = torch.randperm(n, generator=c.train_gen) + offset  # type: ignore[attr-defined]
+            perm = torch.cat([perm, perm[:1].expand(per_epoch * bs - n)])  # pad: epoch's first
+            for j in range(per_epoch):
+                for col in range(width):
+                    index[i, e * per_epoch + j, col] = perm[j * bs + col]
+                    valid[i, e * per_epoch + j, col] = j * bs + col < n
+        index[i, steps[i] :] = offset  # after the client's last step: its own first row
+        offset += n
+    return index, valid
+
+
+@pytest.mark.parametrize(("batch_size", "epochs"), [(16, 2), (7, 3), (200, 1)])
+def test_step_rows_are_each_clients_own_draws(batch_size: int, epochs: int) -> None:
+    cfg = _config(
+        **{
+            "federation.execution": "batched",
+            "federation.batch_size": str(batch_size),
+            "federation.local_epochs": str(epochs),
+        }
+    )
+    sim = Simulation(cfg, _data(cfg))
+    trainer = BatchedTrainer(sim)
+    groups = trainer.groups(sim.clients)  # one per domain (its clients share a test set)
+    assert any(len({c.data.num_train for c in g.clients}) > 1 for g in groups)  # unequal sizes
+    for group in groups:
+        states = [c.train_gen.get_state() for c in group.clients]
+        index, valid = trainer._batches(group)
+        for c, state in zip(group.clients, states):
+            c.train_gen.set_state(state)
+        ref_index, ref_valid = _reference_batches(group.clients, group.steps, batch_size, epochs)
+        assert torch.equal(index, ref_index) and torch.equal(valid, ref_valid)

@@ -968,34 +968,52 @@ class BatchedTrainer:
     def _batches(self, group: _Group) -> tuple[torch.Tensor, torch.Tensor]:
         """Per client and step the row indices into the group's concatenated features.
 
-        Returns ``index [m, S, W]`` (padding points at the client's own first row) and
-        ``valid [m, S, W]``, on the CPU (the caller moves them); the permutations come from
-        each client's ``train_gen`` exactly as in :meth:`Simulation.train_client`
-        (``local_epochs`` calls of ``torch.randperm``).
+        Returns ``index [m, S, W]`` and ``valid [m, S, W]``, on the CPU (the caller moves them).
+        The permutations come from each client's ``train_gen`` exactly as in
+        :meth:`Simulation.train_client` (``local_epochs`` calls of ``torch.randperm``); the
+        padding of an epoch's partial last batch points at that epoch's first row, and the
+        steps after a client's last at its own first row (both masked by ``valid``).  One
+        ``randperm`` a client and epoch, the rest as a few whole-group tensor operations
+        (a Python loop of slice assignments cost 31 ms a round at M = 1000; this 7 ms).
         """
         fed = self.sim.config.federation
-        bs = fed.batch_size
+        bs, epochs = fed.batch_size, fed.local_epochs
         m, s_max = len(group.clients), group.steps[0]
-        width = min(bs, max(c.data.num_train for c in group.clients))
-        index = torch.zeros(m, s_max, width, dtype=torch.long)
+        num = torch.tensor([c.data.num_train for c in group.clients], dtype=torch.long)
+        width = min(bs, int(num.max()))
+        offset = torch.cumsum(num, 0) - num  # each client's first row
+        per_epoch = (num + bs - 1) // bs
+        # one draw per (client, epoch), in the order train_client draws them
+        drawn = torch.cat(
+            [
+                torch.randperm(c.data.num_train, generator=c.train_gen)
+                for c in group.clients
+                for _ in range(epochs)
+            ]
+        )
+        counts = num.repeat_interleave(epochs)  # the draws' lengths
+        first = torch.cumsum(counts, 0) - counts  # where each draw starts in ``drawn``
+        client = torch.arange(m).repeat_interleave(epochs)  # of each draw
+        epoch = torch.arange(epochs).repeat(m)
+        # every step s < steps[i] of client i first points at its epoch's first drawn row
+        s = torch.arange(s_max)
+        live = s.view(1, -1) < (per_epoch * epochs).view(-1, 1)  # [m, S]
+        draw_of = client.view(m, epochs)[:, :1] * epochs + torch.minimum(
+            s.view(1, -1) // per_epoch.view(-1, 1), torch.tensor(epochs - 1)
+        )
+        head = drawn[first[draw_of]] + offset.view(-1, 1)
+        index = torch.where(live, head, offset.view(-1, 1))
+        index = index.unsqueeze(2).expand(m, s_max, width).contiguous()
         valid = torch.zeros(m, s_max, width, dtype=torch.bool)
-        offset = 0
-        for i, c in enumerate(group.clients):
-            n = c.data.num_train
-            per_epoch = math.ceil(n / bs)
-            pad = per_epoch * bs - n
-            ok = torch.ones(per_epoch * bs, dtype=torch.bool)
-            ok[n:] = False
-            ok_rows = ok.view(per_epoch, bs)[:, :width]
-            for e in range(fed.local_epochs):
-                perm = torch.randperm(n, generator=c.train_gen) + offset
-                if pad:
-                    perm = torch.cat([perm, perm[:1].expand(pad)])
-                span = slice(e * per_epoch, (e + 1) * per_epoch)
-                index[i, span] = perm.view(per_epoch, bs)[:, :width]
-                valid[i, span] = ok_rows
-            index[i, group.steps[i] :] = offset
-            offset += n
+        # then every drawn row goes to its step and column
+        of_row = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+        pos = torch.arange(drawn.numel()) - first[of_row]
+        col = pos % bs
+        keep = col < width
+        who = client[of_row][keep]
+        step = (epoch[of_row] * per_epoch[client[of_row]] + pos // bs)[keep]
+        index[who, step, col[keep]] = drawn[keep] + offset[who]
+        valid[who, step, col[keep]] = True
         return index, valid
 
     def _grad_buffers(self, rows: int) -> dict[str, torch.Tensor]:
@@ -1158,7 +1176,8 @@ class BatchedTrainer:
             for a, b, width in self._pieces(widths):
                 rows = index[a:b, s, :width]
                 ok = valid[a:b, s, :width]
-                z = feats[rows]
+                # one row gather (index_select is ~20% faster than advanced indexing here)
+                z = feats.index_select(0, rows.reshape(-1)).view(b - a, width, -1)
                 if z.dtype != torch.float32:
                     z = z.float()
                 rows_ = slice(a, b)
