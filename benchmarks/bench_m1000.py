@@ -44,6 +44,7 @@ from engine_hooks import HookedSimulation
 
 from protofl.config import ExperimentConfig
 from protofl.data.cache import protofl_home
+from protofl.engine.batched import _Store
 from protofl.engine.federated_data import build_federated_data
 
 M1000_OVERRIDES = [
@@ -141,7 +142,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--scale", choices=sorted(SCALES), default="m1000")
     parser.add_argument("--set", action="append", default=[], help="extra key=value overrides")
+    parser.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="do not advise a mapped store's rows into the page cache before their first "
+        "gather (to measure what the advice gains)",
+    )
     args = parser.parse_args()
+    if args.no_prefetch:
+        _Store.PREFETCH = False
     torch.set_num_threads(args.threads)
     overrides = SCALES[args.scale]
     cfg = ExperimentConfig().with_overrides(
@@ -194,6 +203,7 @@ def main() -> None:
                 "rounds": rounds,
                 "profile_round2": profile,
                 "scale": args.scale,
+                "prefetch": _Store.PREFETCH,
                 "overrides": [*overrides, *args.set],
             }
         )

@@ -738,6 +738,42 @@ def test_zero_parameters_are_offloaded_without_writing(tmp_path: Path) -> None:
     assert not store.param[ups[0]][r].any()
 
 
+def test_a_mapped_store_prefetches_each_row_once_before_its_first_gather(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows of a mapped store are advised into the page cache (MADV_WILLNEED) before their
+    first gather, every tensor's bytes of them, once; an in-memory store advises nothing."""
+    from protofl.engine import batched
+
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(batched, "prefetch_pages", lambda a, b: calls.append((a, b)))
+    cfg = _offload_config("disk")
+    sim = Simulation(cfg, _data(cfg), state_dir=tmp_path / "state")
+    store = sim.batched.store
+
+    def covered(r: int) -> bool:  # every tensor's row r lies in one advised range
+        return all(
+            any(a <= store._ptr(t, r) and store._ptr(t, r + 1) <= b for a, b in calls)
+            for t in store.tensors()
+        )
+
+    store.prefetch([3, 1])
+    assert covered(1) and covered(3) and not covered(0)
+    calls.clear()
+    store.prefetch([1, 3])  # advised once
+    assert calls == []
+    trained = sim.clients[: len(sim.clients) // 2]
+    sim.batched.train(trained)  # training advises its groups' rows first
+    rows = {store.row[c.data.client] for c in trained} - {1, 3}
+    assert rows and all(covered(r) for r in rows)
+    assert not store._cold & (rows | {1, 3})
+    calls.clear()
+    mem = _offload_config("memory")
+    sim = Simulation(mem, _data(mem))
+    BatchedTrainer(sim).train(sim.clients)
+    assert calls == []
+
+
 def test_a_memory_budget_below_one_client_is_refused_naming_the_setting() -> None:
     cfg = _offload_config("disk", "run.memory_budget_mb=1", "backbone.adapter_hidden=4096")
     with pytest.raises(ValueError, match=r"run\.memory_budget_mb=1 .* needs \d+ MB"):
