@@ -527,8 +527,9 @@ class _Store:
         round of the 10,000-client benchmark spent 31 s gathering its participants' rows
         (never-written moment rows are file holes), 4 s after ``MADV_WILLNEED``; the next
         few rounds, whose participants are mostly new too, gather 1-2 s slower with the
-        advice than without it, and 20 rounds take 241 s instead of 256 s (Linux 6.18,
-        ext4, 2026-12-04; ``benchmarks/bench_m1000.py --scale m10000 [--no-prefetch]``).
+        advice than without it; round 1 takes 18.4 s instead of 44.3 s and the 20 rounds
+        235 s instead of 257 s (Linux 6.18, ext4, 2026-12-04;
+        ``benchmarks/bench_m1000.py --scale m10000 [--no-prefetch]``).
         Rows gathered once are not advised again (their pages are in the page cache or were
         written back; the kernel's own read-around serves them).
         """
