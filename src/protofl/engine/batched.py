@@ -1052,7 +1052,7 @@ class BatchedTrainer:
         # every step s < steps[i] of client i first points at its epoch's first drawn row
         s = torch.arange(s_max)
         live = s.view(1, -1) < (per_epoch * epochs).view(-1, 1)  # [m, S]
-        draw_of = client.view(m, epochs)[:, :1] * epochs + torch.minimum(
+        draw_of = torch.arange(m).view(-1, 1) * epochs + torch.minimum(
             s.view(1, -1) // per_epoch.view(-1, 1), torch.tensor(epochs - 1)
         )
         head = drawn[first[draw_of]] + offset.view(-1, 1)
@@ -1064,8 +1064,9 @@ class BatchedTrainer:
         pos = torch.arange(drawn.numel()) - first[of_row]
         col = pos % bs
         keep = col < width
-        who = client[of_row][keep]
-        step = (epoch[of_row] * per_epoch[client[of_row]] + pos // bs)[keep]
+        owner = client[of_row]
+        who = owner[keep]
+        step = (epoch[of_row] * per_epoch[owner] + pos // bs)[keep]
         index[who, step, col[keep]] = drawn[keep] + offset[who]
         valid[who, step, col[keep]] = True
         return index, valid
