@@ -1208,6 +1208,12 @@ class BatchedTrainer:
             y0_all = torch.cat([self._y0(c, j) for c, j in zip(clients, proj_of)])
         dcr = clients[0].dcr
         dcr_steps = torch.tensor([c.dcr.steps for c in clients]) if dcr is not None else None
+        # DCR's soft-clip radius (privacy.clip): one number, or one a client where a fused group
+        # holds runs whose privacy.clip differs
+        radius: float | torch.Tensor | None = dcr.radius if dcr is not None else None
+        radii = [c.dcr.radius for c in clients if c.dcr is not None]
+        if len(set(radii)) > 1:
+            radius = torch.tensor(radii, device=self.device)
         # the method's declared terms, prepared once for the group (prototype table, anchors)
         group_info = Group(
             [c.state for c in clients],
@@ -1246,7 +1252,11 @@ class BatchedTrainer:
                 which = proj_of[a:b] if proj_of is not None else None
                 y0 = y0_all[rows] if y0_all is not None and width >= narrowest else None
                 f_raw = self._features(w, g, z, which, y0)
-                f = soft_clip(f_raw, dcr.radius, dcr.gamma, dcr.mode) if dcr else f_raw
+                if dcr is None or radius is None:
+                    f = f_raw
+                else:
+                    r_ab = radius[a:b, None, None] if isinstance(radius, torch.Tensor) else radius
+                    f = soft_clip(f_raw, r_ab, dcr.gamma, dcr.mode)
                 logits = self._head(w, g, f)
                 step = Step(
                     f=f,

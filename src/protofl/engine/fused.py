@@ -49,7 +49,6 @@ from protofl.models.device import to_device
 log = logging.getLogger(__name__)
 
 PRIVACY_TRAINING_KEYS = (
-    "clip",
     "dcr_gamma",
     "dcr_beta",
     "dcr_tau",
@@ -58,8 +57,9 @@ PRIVACY_TRAINING_KEYS = (
     "dcr_warmup_steps",
 )
 """The privacy settings that change local training when DCR is on (``privacy.dcr``, or the
-``vpdr`` mechanism; its soft clip uses ``privacy.clip``); without DCR no privacy setting
-touches training."""
+``vpdr`` mechanism), which the runs of a group must share; without DCR no privacy setting
+touches training.  DCR's soft clip also trains with ``privacy.clip``, but the batched trainer
+takes each client's own radius, so runs that differ in it fuse."""
 
 
 class FusionUnavailable(RuntimeError):
@@ -71,7 +71,8 @@ def fusion_key(config: ExperimentConfig) -> str | None:
 
     The key is the whole config except ``name``, ``seed`` and the privacy settings (mechanism,
     epsilon, delta, clip, noise seed, accountant, ...), which only the server step and the
-    releases read; with DCR on, the DCR settings and ``privacy.clip`` stay in (they train).
+    releases read; with DCR on, the DCR settings stay in (they train; the soft clip's radius
+    ``privacy.clip`` is taken per client, so it may differ).
     """
     if config.federation.execution != "batched":
         return None
@@ -384,7 +385,18 @@ class FusedTrainer(BatchedTrainer):
                 self._owner[id(c.state)] = (r, c.data.client)
                 self._stand_in[(r, c.data.client)] = proxy
                 stand_ins.append(proxy)
-        super().__init__(_FusedView(self, stand_ins))  # type: ignore[arg-type]
+        # run.memory_budget_mb is part of the fusion key: every run of the group has the same
+        super().__init__(
+            _FusedView(self, stand_ins),  # type: ignore[arg-type]
+            memory_budget=self.sims[0].memory_budget(),
+        )
+        if self.supported and self.sims[0].config.run.memory_budget_mb is not None:
+            # as a run alone (Simulation.batched_trainer), a budget below one client is refused:
+            # the runs go one by one, and each fails with that error
+            try:
+                self.check_budget(stand_ins)
+            except ValueError as exc:
+                self.reason, self.supported = str(exc), False
 
     # ----- who is who --------------------------------------------------------------------------
     def owner(self, state: Any) -> tuple[int, int]:

@@ -20,13 +20,14 @@ Fused runs (``fuse:``, default ``true``; ``protofl sweep --no-fuse`` turns it of
     fuse: true                    # run compatible points as one batched program
 
 Points with ``federation.execution: batched`` that differ only in ``seed`` and ``privacy.*``
-settings (mechanism, epsilon, noise seed, clip radius, ...; with DCR on, the DCR settings and
-the clip radius must agree, since DCR trains with them) form a fused group: their clients train,
-evaluate and upload in one batched program (:mod:`protofl.engine.fused`), each run keeping its
-own server step, ledger, noise streams and run folder; results equal the separate runs to float
-rounding.  A group whose runs turn out not to fit together (model shapes, a method that cannot
-batch, ...) runs its points one by one; ``sweep.log`` and each run's ``note`` in ``sweep.json``
-say why.  Sequential points (the default execution) never fuse.
+settings (mechanism, epsilon, noise seed, clip radius, ...; with DCR on, the DCR settings
+must agree, since DCR trains with them; its soft clip takes each run's clip radius) form a
+fused group: their clients train, evaluate and upload in one batched program
+(:mod:`protofl.engine.fused`), each run keeping its own server step, ledger, noise streams and
+run folder; results equal the separate runs to float rounding.  A group whose runs turn out
+not to fit together (model shapes, a method that cannot batch, ...) runs its points one by one;
+``sweep.log`` and each run's ``note`` in ``sweep.json`` say why.  Sequential points (the
+default execution) never fuse.
 
 Selecting a setting without looking at the test set (``select:``)::
 
@@ -1201,9 +1202,10 @@ def _announce(sweep_dir: Path, runs: list[RunStatus], tasks: list[list[SweepPoin
 
 def _report(sweep_dir: Path, st: RunStatus, out: Mapping[str, Any], reported: set[str]) -> None:
     note = out.get("note")
-    if note and note not in reported:
-        reported.add(note)
-        _sweep_log(sweep_dir, f"fused group {st.fused}: {note}", warn=True)
+    line = f"fused group {st.fused}: {note}"
+    if note and line not in reported:  # once a group (its runs share the note)
+        reported.add(line)
+        _sweep_log(sweep_dir, line, warn=True)
 
 
 def _drive(

@@ -23,10 +23,12 @@ from protofl.privacy.config import PrivacyConfig
 
 
 def soft_clip(
-    features: torch.Tensor, radius: float, gamma: float, mode: str = "paper"
+    features: torch.Tensor, radius: float | torch.Tensor, gamma: float, mode: str = "paper"
 ) -> torch.Tensor:
     """paper: z_hat = R / (||z|| + gamma*R) * z (VPDR Eq. (15); expands small, contracts large);
-    min: the reference code's z * min(1, R / (||z|| + gamma*R)) (identity below (1-gamma)R)."""
+    min: the reference code's z * min(1, R / (||z|| + gamma*R)) (identity below (1-gamma)R).
+    ``radius``: a number, or a tensor that broadcasts against ``features``' norms (one R per
+    client of a fused group)."""
     norms = features.norm(dim=-1, keepdim=True)
     scale = radius / (norms + gamma * radius)
     if mode == "min":
