@@ -11,9 +11,10 @@ import torch
 
 from protofl.engine.batched import BatchedTrainer
 from protofl.engine.federated_data import build_federated_data
+from protofl.engine.round import eval_subsample
 from protofl.engine.simulation import Simulation
 from protofl.methods.checks import tiny_config
-from protofl.seeding import Stream, derive_seed
+from protofl.seeding import Stream, derive_seed, generator
 
 
 def _sim(device: str = "auto", amp: str = "none", mechanism: str = "vpdr", **extra: Any) -> Any:
@@ -135,35 +136,80 @@ def test_bf16_autocast_trains_sequentially_and_batched_falls_back(caplog: Any) -
     assert not trainer.supported and "run.amp=bf16 is not batched" in caplog.text
 
 
-def test_an_evaluation_budget_leaves_training_and_the_headline_unchanged() -> None:
-    """eval_every/eval_samples only change which rounds are measured, and on what: the final
-    (and last-5) figures equal a run evaluated in full every round, sampled rounds are the
-    accuracy on each test set's fixed subsample, skipped rounds have none."""
-    for execution in ("sequential", "batched"):
-        base = {"federation.rounds": 8, "federation.execution": execution}
-        full = _sim(mechanism="igpp", **base)
-        full.run()
-        budget = {**base, "federation.eval_every": 2, "federation.eval_samples": 7}
-        sim = _sim(mechanism="igpp", **budget)
-        sim.run()
-        plan = [h.evaluation for h in sim.history]
-        assert plan == ["none", "sample", "none"] + ["full"] * 5
-        assert [h.avg_acc for h in sim.history[3:]] == [h.avg_acc for h in full.history[3:]]
-        assert all(math.isnan(sim.history[i].avg_acc) and sim.history[i].acc == {} for i in (0, 2))
-        # training is untouched by evaluation: every release equals the full run's
-        for ra, rb in zip(_releases(sim), _releases(full)):
-            assert all(torch.equal(a, b) for a, b in zip(ra, rb))
-        # the sampled round: each client's accuracy on its set's 7 fixed samples
-        sampled = sim.history[1].client_acc
+def _budget_sim(execution: str, **extra: Any) -> Any:
+    """Nine rounds whose accuracy is still far from 100% (one local epoch at a small step on
+    unequal dirichlet clients), so a subsample's accuracy can differ from the whole set's."""
+    return _sim(
+        mechanism="igpp",
+        **{
+            "federation.rounds": 9,
+            "federation.execution": execution,
+            "federation.local_epochs": 1,
+            "federation.lr": "3e-4",
+            "data.partition": "dirichlet",
+            "data.dirichlet_alpha": "0.5",
+            **extra,
+        },
+    )
+
+
+@torch.no_grad()
+def _accuracy(sim: Simulation, c: Any, rows: torch.Tensor | None = None) -> float:
+    """``c``'s accuracy now, computed here: on its domain's whole test set, or its ``rows``."""
+    z, y = c.data.test_z, c.data.test_y
+    if rows is not None:
+        z, y = z[rows], y[rows]
+    c.model.eval()
+    pred = sim.method.predict(c.model, z.float(), sim.global_state, c.state)
+    return int((pred == y).sum()) / len(y)
+
+
+@pytest.mark.parametrize("execution", ["sequential", "batched"])
+def test_an_evaluation_budget_measures_each_round_on_what_it_promises(execution: str) -> None:
+    """eval_every/eval_samples: skipped rounds record no accuracy; sampled rounds are each
+    client's accuracy on its test set's fixed seeded subsample of eval_samples (recomputed
+    here from its model, and not the whole set's); the last five rounds are on the whole test
+    sets; training and the headline equal a run evaluated in full every round."""
+    full = _budget_sim(execution)
+    full.run()
+    sim = _budget_sim(execution, **{"federation.eval_every": 2, "federation.eval_samples": 7})
+    seed = sim.config.seed
+    subsample_differs = False
+    for _ in range(9):
+        m = sim.run_round()
+        if m.evaluation == "none":
+            assert m.client_acc == {} and m.acc == {} and m.holdout_acc is None
+            assert math.isnan(m.avg_acc) and math.isnan(m.std_acc)
+            continue
+        assert m.client_acc.keys() == {c.data.name for c in sim.clients}
         for c in sim.clients:
-            z, y = sim.test_set(c, sample=True)
-            assert len(y) == 7 and z.shape[0] == 7
-            assert sampled[c.data.name] * 7 == pytest.approx(round(sampled[c.data.name] * 7))
-        # clients of one domain share their subsample
-        by_domain = {}
-        for c in sim.clients:
-            by_domain.setdefault(c.data.domain, set()).add(id(sim.test_set(c, sample=True)[0]))
-        assert all(len(ids) == 1 for ids in by_domain.values())
+            whole = _accuracy(sim, c)
+            if m.evaluation == "sample":
+                gen = generator(seed, Stream.EVAL, c.data.domain)
+                rows = eval_subsample(len(c.data.test_y), 7, gen)
+                assert rows is not None and len(rows.unique()) == 7 < len(c.data.test_y)
+                expected = _accuracy(sim, c, rows)
+                subsample_differs |= expected != whole
+            else:
+                expected = whole
+            assert m.client_acc[c.data.name] == expected, (m.round, m.evaluation, c.data.name)
+    assert [h.evaluation for h in sim.history] == ["none", "sample"] * 2 + ["full"] * 5
+    # the check has teeth: some sampled accuracy is not the whole set's
+    assert subsample_differs
+    # the last five rounds (final and last-5 figures) equal the unbudgeted run's
+    assert [h.client_acc for h in sim.history[4:]] == [h.client_acc for h in full.history[4:]]
+    assert [h.avg_acc for h in sim.history[4:]] == [h.avg_acc for h in full.history[4:]]
+    # training is untouched by evaluation: every release equals the full run's
+    for ra, rb in zip(_releases(sim), _releases(full), strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(ra, rb, strict=True))
+    # the simulation's own subsample is that one, and clients of one domain share it
+    by_domain: dict[int, set[int]] = {}
+    for c in sim.clients:
+        z, y = sim.test_set(c, sample=True)
+        rows = eval_subsample(len(c.data.test_y), 7, generator(seed, Stream.EVAL, c.data.domain))
+        assert torch.equal(y, c.data.test_y[rows]) and torch.equal(z, c.data.test_z[rows])
+        by_domain.setdefault(c.data.domain, set()).add(id(z))
+    assert all(len(ids) == 1 for ids in by_domain.values())
 
 
 def test_homogeneous_clients_are_copies_of_one_built_model(monkeypatch: Any) -> None:
