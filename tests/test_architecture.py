@@ -144,6 +144,7 @@ CROSS_CUTTING = {
     "test_examples",
     "test_packaging",
     "engine/test_faults",
+    "engine/test_offload_state",  # run.client_state=disk: engine/batched.py and simulation.py
     "engine/flower/test_engine",
     "data/test_real_images",
 }

@@ -54,6 +54,7 @@ import logging
 import math
 import os
 import sys
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -423,6 +424,11 @@ class _Store:
     swapping a parameter) is noticed by pointer comparison and re-adopted before training.
     Note: ``torch.save`` of ONE client's views writes the whole storage; the engine saves all
     clients in one call (one copy); save a single client's state with ``.clone()``.
+
+    A mapped store also holds the clients' method state (``ClientState.tensors``, see
+    :meth:`adopt_state`): one ``[M, *shape]`` file per key, made when the key's first value
+    is adopted; a key whose values differ in shape or dtype between clients (FedPCL's local
+    prototypes and their classes, one row per class the client holds) stays on the heap.
     """
 
     def __init__(
@@ -466,6 +472,14 @@ class _Store:
         self.exp_avg_sq = {n: new("exp_avg_sq", n, shapes[n]) for n in adam_names}
         self.step = {n: new("step", n, ()).zero_() for n in adam_names}
         self.teacher = {n: new("teacher", n, s) for n, s in teacher_shapes.items()}
+        # run.client_state=disk: the clients' method state, one mapped file per key of
+        # ClientState.tensors, made when the key's first value is adopted (adopt_state)
+        self.state: dict[str, torch.Tensor] = {}
+        # keys whose values came in two shapes or dtypes: their values stay on the heap
+        self.ragged: set[str] = set()
+        # storages of the parameters, moments and teachers (a method-state value that is a
+        # view of one is left as it is: it is mapped already, and it must stay that view)
+        self._storages = {t.untyped_storage().data_ptr() for t in self.tensors()}
         # rows whose optimizer moments were never written: a fresh mapped file reads as zeros
         # (a hole), so a client's first adoption points its zero moments there without
         # writing them (which would dirty, write back and re-read every page before the first
@@ -509,7 +523,7 @@ class _Store:
         if self.directory is None:
             return
         spans = _spans(sorted(rows)) if rows is not None else [(0, len(self.row))]
-        for t in self.tensors():
+        for t in (*self.tensors(), *self.state.values()):
             base, row = self._layout[id(t)]
             for a, b in spans:
                 drop_pages(base + a * row, base + b * row)
@@ -665,16 +679,109 @@ class _Store:
         if moved >= FrozenParameterPool.TRIM_EVERY:
             release_free_memory()
 
+    # ----- method state (run.client_state=disk) ------------------------------------------------
+    def _state_file(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """The mapped ``[M, *shape]`` file of method-state ``key``, shaped like ``like``."""
+        assert self.directory is not None
+        dtype = str(like.dtype).removeprefix("torch.")
+        path = self.directory / f"state.{urllib.parse.quote(key, safe='')}.{dtype}"
+        t = mapped_tensor(path, (len(self.row), *like.shape), like.dtype)
+        self._layout[id(t)] = (t.data_ptr(), t.stride(0) * t.element_size())
+        self.state[key] = t
+        return t
 
-def mapped_tensor(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
-    """A float32 tensor of ``shape`` held in the file ``path`` (created sparse, zero-filled),
-    mapped shared: writes go to the file's pages, which the kernel may write back and evict;
-    :func:`drop_pages` takes pages out of the process's resident set."""
+    def _holds(self, t: torch.Tensor | None, file: torch.Tensor, r: int) -> bool:
+        """Whether ``t`` is row ``r`` of the method-state ``file``."""
+        return (
+            t is not None
+            and t.dtype == file.dtype
+            and t.shape == file.shape[1:]
+            and t.data_ptr() == self._ptr(file, r)
+            and t.is_contiguous()
+        )
+
+    def adopt_state(self, c: Client) -> int:
+        """Copy each of ``c``'s method-state tensors into its row of the key's mapped file and
+        point the entry at that row (a view: nothing of it stays on the heap, and
+        :meth:`page_out` drops it from the resident set); a mapped store only.  A key's file is
+        made (sparse) when its first value is adopted, shaped like it.  Stay on the heap as
+        they are: the values of a key once one came in another shape or dtype than its file's
+        (a per-client number of rows: FedPCL's local prototypes and their classes; values
+        already in the file stay there until the method replaces them), a value that is
+        empty, on another device or needs a gradient, and a view of the client's parameters
+        (mapped already).  The bytes written (0 when every entry already is its row)."""
+        if self.directory is None:
+            return 0
+        r = self.row[c.data.client]
+        tensors = c.state.tensors
+        moved = 0
+        for key, t in list(tensors.items()):
+            if t.numel() == 0 or t.requires_grad or t.device.type != "cpu" or t.is_sparse:
+                continue
+            if key in self.ragged or t.untyped_storage().data_ptr() in self._storages:
+                continue
+            file = self.state.get(key)
+            if file is None:
+                file = self._state_file(key, t)
+            if t.dtype != file.dtype or t.shape != file.shape[1:]:
+                self.ragged.add(key)  # differs across clients: on the heap from now on
+                continue
+            if self._holds(t, file, r):
+                continue
+            view = file[r]
+            view.copy_(t)
+            tensors[key] = view
+            moved += t.numel() * t.element_size()
+        return moved
+
+    def adopt_state_all(self, clients: Sequence[Client]) -> None:
+        """:meth:`adopt_state` every client, dropping what it wrote from the resident set and
+        giving the freed heap back when much was written."""
+        if self.directory is None:
+            return
+        moved = 0
+        for c in clients:
+            wrote = self.adopt_state(c)
+            moved += wrote
+            if wrote:
+                self.page_out([self.row[c.data.client]])
+        if moved >= FrozenParameterPool.TRIM_EVERY:
+            release_free_memory()
+
+    def state_checkpoint(self, clients: Sequence[Client]) -> list[dict[str, torch.Tensor]]:
+        """Each client's method state as a checkpoint holds it (``clients``: every client of
+        the store).  ``torch.save`` writes the whole storage of a view, once per call: a key's
+        file whose every row is a client's entry is saved as those views (the file once, as
+        the parameters are); the rows of a key only some clients hold are first gathered into
+        one compact tensor (a transient copy of those rows), so a checkpoint never holds rows
+        no client uses and is the size of the in-memory run's."""
+        out = [dict(c.state.tensors) for c in clients]
+        for key, file in self.state.items():
+            held = [
+                (i, r)
+                for i, c in enumerate(clients)
+                if self._holds(c.state.tensors.get(key), file, r := self.row[c.data.client])
+            ]
+            if not held or len(held) == file.shape[0]:
+                continue
+            packed = file.index_select(0, torch.tensor([r for _, r in held]))
+            for j, (i, _) in enumerate(held):
+                out[i][key] = packed[j]
+        return out
+
+
+def mapped_tensor(
+    path: Path, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` (float32 by default) held in the file ``path``
+    (created sparse, zero-filled), mapped shared: writes go to the file's pages, which the
+    kernel may write back and evict; :func:`drop_pages` takes pages out of the process's
+    resident set."""
     n = math.prod(shape)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as fh:
-        fh.truncate(4 * n)
-    return torch.from_file(str(path), shared=True, size=n, dtype=torch.float32).view(shape)
+        fh.truncate(n * torch.empty((), dtype=dtype).element_size())
+    return torch.from_file(str(path), shared=True, size=n, dtype=dtype).view(shape)
 
 
 _MADV_WILLNEED = 3
@@ -876,12 +983,18 @@ class BatchedTrainer:
 
     def check_budget(self, clients: Sequence[Client]) -> None:
         """Refuse a ``run.memory_budget_mb`` that cannot hold one client's working memory."""
-        need = max(self._bytes_per_client(c) for c in clients)
+        self.check_budget_of([c.data for c in clients])
+
+    def check_budget_of(self, data: Sequence[ClientData]) -> None:
+        """:meth:`check_budget` from the clients' data alone (a client's working memory
+        follows from the model's shapes, which the trainer read from the first client, and
+        its data): ``run.client_state=disk`` checks it before any client is written."""
+        worst = max(data, key=self._bytes_for)
+        need = self._bytes_for(worst)
         if need > self.memory_budget:
-            worst = max(clients, key=self._bytes_per_client)
             raise ValueError(
                 f"run.memory_budget_mb={self.memory_budget / 2**20:g} cannot hold one group of "
-                f"batched clients: client {worst.data.name!r} alone needs "
+                f"batched clients: client {worst.name!r} alone needs "
                 f"{math.ceil(need / 2**20)} MB (raise run.memory_budget_mb to at least that)"
             )
 
@@ -933,12 +1046,16 @@ class BatchedTrainer:
         return (self._test_rank[id(d.test_z)], -steps, -last, d.client)
 
     def _bytes_per_client(self, c: Client) -> int:
+        return self._bytes_for(c.data)
+
+    def _bytes_for(self, d: ClientData) -> int:
+        """The working memory (bytes) of a client with data ``d`` in a group."""
         fed = self.sim.config.federation
         params = sum(math.prod(self.shapes[n]) for n in self.names)
-        d_in = c.data.train_z.shape[1]
+        d_in = d.train_z.shape[1]
         proto = self.shapes["proj.weight"][0]
         hidden = self.shapes["adapter.down.weight"][0]
-        rows = min(fed.batch_size, c.data.num_train)
+        rows = min(fed.batch_size, d.num_train)
         acts = rows * (5 * d_in + 10 * proto + 4 * hidden)
         return 4 * (params + acts)
 

@@ -125,14 +125,58 @@ class Simulation:
 
         self.frozen_pool = FrozenParameterPool()
         self.batched: Any = None
+        unknown = set(config.federation.poison) - {cd.name for cd in data.clients}
+        if unknown:
+            raise ValueError(
+                f"federation.poison names unknown client(s) {sorted(unknown)}; clients: "
+                + ", ".join(cd.name for cd in data.clients)
+            )
         # run.client_state=disk: the batched store lives in memory-mapped files (state_dir, or
         # a temporary folder removed with the simulation) and each client is adopted into it as
         # it is built, so resident memory never holds the population's parameters at once
         self.state_dir: Path | None = None
         if config.run.client_state == "disk":
+            # a simulation that fails while building its clients leaves no folder it made
+            made = state_dir is None or not state_dir.exists()
             self.state_dir = state_dir or Path(tempfile.mkdtemp(prefix="protofl-client-state-"))
             if state_dir is None:
                 weakref.finalize(self, shutil.rmtree, str(self.state_dir), True)
+            try:
+                self._build_clients(backbone_cls, init_seed)
+            except BaseException:
+                if made:
+                    shutil.rmtree(self.state_dir, ignore_errors=True)
+                raise
+        else:
+            self._build_clients(backbone_cls, init_seed)
+        if self.method.shares_weights and len(self.clients) > 1:
+            shapes = {
+                tuple((k, tuple(v.shape)) for k, v in c.model.state_dict().items())
+                for c in self.clients
+            }
+            if len(shapes) > 1:
+                raise ValueError(
+                    f"method {self.method.name!r} averages model weights, but backbone "
+                    f"{config.backbone.name!r} gives clients models of different shapes; use a "
+                    "prototype-only method (or a homogeneous backbone)"
+                )
+        self.releases: list[list[Release | None]] = []
+        self.last_feature_norms: dict[str, dict[str, float]] = {}
+        self.last_mia: dict[str, dict[str, float]] = {}
+        self.history: list[RoundMetrics] = []
+        self.server_gen = generator(config.seed, Stream.SERVER)
+        # local-only diagnostics (computed on private data) are kept; a deployed client sends none
+        self.diagnostics = True
+        # with noisy add/remove counts, the server weights a client by the sum of its last noisy
+        # counts (post-processing), never by the exact count
+        self.public_counts: dict[int, int] = {}
+        # federation.eval_samples: each test set's fixed subsample (by the set's identity)
+        self._eval_sets: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _build_clients(self, backbone_cls: Any, init_seed: int) -> None:
+        """Build every client (with ``run.client_state=disk``, adopting each into the mapped
+        store as it is built)."""
+        config, data, fed = self.config, self.data, self.config.federation
         # clients whose fresh models are identical (Backbone.client_model_key) copy one template
         templates: dict[int, ClientModel] = {}
         for cd in data.clients:
@@ -178,39 +222,15 @@ class Simulation:
                 self._offload(self.clients[-1])
         if self.state_dir is not None:
             self._check_offload()
-        unknown = set(config.federation.poison) - {c.data.name for c in self.clients}
-        if unknown:
-            raise ValueError(
-                f"federation.poison names unknown client(s) {sorted(unknown)}; clients: "
-                + ", ".join(c.data.name for c in self.clients)
-            )
-        if self.method.shares_weights and len(self.clients) > 1:
-            shapes = {
-                tuple((k, tuple(v.shape)) for k, v in c.model.state_dict().items())
-                for c in self.clients
-            }
-            if len(shapes) > 1:
-                raise ValueError(
-                    f"method {self.method.name!r} averages model weights, but backbone "
-                    f"{config.backbone.name!r} gives clients models of different shapes; use a "
-                    "prototype-only method (or a homogeneous backbone)"
-                )
-        self.releases: list[list[Release | None]] = []
-        self.last_feature_norms: dict[str, dict[str, float]] = {}
-        self.last_mia: dict[str, dict[str, float]] = {}
-        self.history: list[RoundMetrics] = []
-        self.server_gen = generator(config.seed, Stream.SERVER)
-        # local-only diagnostics (computed on private data) are kept; a deployed client sends none
-        self.diagnostics = True
-        # with noisy add/remove counts, the server weights a client by the sum of its last noisy
-        # counts (post-processing), never by the exact count
-        self.public_counts: dict[int, int] = {}
-        # federation.eval_samples: each test set's fixed subsample (by the set's identity)
-        self._eval_sets: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ----- run.client_state=disk ---------------------------------------------------------------
     def _offload(self, c: Client) -> None:
-        """Move ``c``'s trainable parameters (and DCR teacher) into the mapped store now."""
+        """Move ``c``'s trainable parameters (and DCR teacher) into the mapped store now.
+
+        With the first client the batched trainer is made and ``run.memory_budget_mb``, when
+        set, checked against every client's working memory (it follows from the first model's
+        shapes and the clients' data), before the store's files are created: a refused run
+        builds one client and writes nothing."""
         from protofl.engine.batched import BatchedTrainer
 
         if self.batched is None:
@@ -222,11 +242,14 @@ class Simulation:
                     f"run.client_state=disk needs a run the batched executor can train: "
                     f"{self.batched.reason}"
                 )
+            if self.config.run.memory_budget_mb is not None:
+                self.batched.check_budget_of(self.data.clients)
         self.batched._ensure_store().adopt_all([c], optimizer=False)
 
     def _check_offload(self) -> None:
-        """After the last client is built: the whole population can batch, and one client's
-        working memory fits ``run.memory_budget_mb``."""
+        """After the last client is built: the whole population can batch (one client's
+        working memory was checked against ``run.memory_budget_mb`` before the first was
+        written, see :meth:`_offload`)."""
         trainer = self.batched
         problem = trainer._check_clients(self.clients)
         if problem is not None:
@@ -234,7 +257,6 @@ class Simulation:
                 f"run.client_state=disk needs a run the batched executor can train: {problem}"
             )
         trainer.projections = trainer.frozen_projections(self.clients)
-        trainer.check_budget(self.clients)
 
     def memory_budget(self) -> int:
         """Bytes one group of batched clients may use (``run.memory_budget_mb``)."""
@@ -271,6 +293,10 @@ class Simulation:
             from protofl.engine.batched import BatchedTrainer
 
             self.batched = BatchedTrainer(self, memory_budget=self.memory_budget())
+            # the budget (run.memory_budget_mb, default 256 MB) cuts the groups; one the user set
+            # that cannot hold one client is refused, as with run.client_state=disk (there when
+            # the simulation is built, here before the first round trains); the default never
+            # refuses a run (a client that needs more trains in a group of its own)
             if self.batched.supported and self.config.run.memory_budget_mb is not None:
                 self.batched.check_budget(self.clients)
         return self.batched if self.batched.supported else None
@@ -581,8 +607,19 @@ class Simulation:
         )
         self.round += 1
         self.history.append(metrics)
+        # what the round's participants' method state became (uploads, training) goes to the
+        # mapped files too
+        self.offload_state([c for c, a in zip(self.clients, active) if a])
         self.page_out()
         return metrics
+
+    def offload_state(self, clients: Sequence[Client]) -> None:
+        """With ``run.client_state=disk``: move ``clients``' method state
+        (``ClientState.tensors``) into the mapped store's per-key files
+        (:meth:`~protofl.engine.batched._Store.adopt_state`), so that it does not stay on the
+        heap between rounds; a no-op otherwise."""
+        if self.state_dir is not None and self.batched is not None:
+            self.batched._ensure_store().adopt_state_all(clients)
 
     def page_out(self) -> None:
         """With ``run.client_state=disk``: drop every client's state from the resident set (it
@@ -654,6 +691,11 @@ class Simulation:
         return to_cpu(self._state_dict())
 
     def _state_dict(self) -> dict[str, Any]:
+        # a mapped store's method state: its files' rows saved once (never rows no client uses)
+        if self.state_dir is not None and self.batched is not None:
+            states = self.batched._ensure_store().state_checkpoint(self.clients)
+        else:
+            states = [c.state.tensors for c in self.clients]
         return {
             "round": self.round,
             "device": str(self.device),
@@ -668,13 +710,13 @@ class Simulation:
                 {
                     "model": c.model.state_dict(),
                     "optimizer": c.optimizer.state_dict(),
-                    "state": c.state.tensors,
+                    "state": st,
                     "ledger": c.ledger.state_dict(),
                     "train_gen": c.train_gen.get_state(),
                     "noise_gen": c.noise_gen.get_state(),
                     "dcr": None if c.dcr is None else c.dcr.state_dict(),
                 }
-                for c in self.clients
+                for c, st in zip(self.clients, states)
             ],
         }
 
@@ -712,6 +754,7 @@ class Simulation:
             c.noise_gen.set_state(cs["noise_gen"])
             if c.dcr is not None:
                 c.dcr.load_state_dict(cs["dcr"])
+        self.offload_state(self.clients)
         self.page_out()
 
 

@@ -107,7 +107,12 @@ class Batch:
 
 @dataclass
 class ClientState:
-    """Per-client state a method keeps between rounds (tensors only, so it serialises)."""
+    """Per-client state a method keeps between rounds (tensors only, so it serialises).
+
+    With ``run.client_state: disk`` the engine replaces each entry, after the round, by an
+    equal row of a memory-mapped file (``protofl.engine.batched._Store.adopt_state``): a
+    method reads its state from the dict and stores new tensors in it, and keeps no other
+    reference to them."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
