@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 
 from protofl.config import BackboneConfig
+from protofl.engine.federated_data import build_federated_data
+from protofl.engine.simulation import Simulation
+from protofl.methods import baselines, fedga
 from protofl.methods.base import Batch, ClientState
 from protofl.methods.baselines import moon_contrastive, proximal_term
+from protofl.methods.checks import tiny_config
 from protofl.models.client import build_client_model
 from tests.methods.helpers import (
     LOG1P_E2,
@@ -64,3 +69,44 @@ def test_moon_first_round_negative_is_global_and_state_holds_tensors() -> None:
     assert all(isinstance(v, torch.Tensor) for v in state.tensors.values())
     with pytest.raises(ValueError, match="temperature"):
         make("moon", {"temperature": 0})
+
+
+@pytest.mark.parametrize("execution", ["sequential", "batched"])
+@pytest.mark.parametrize("method", ["moon", "fedga"])
+def test_model_snapshots_leave_out_frozen_parameters_and_train_as_full_copies(
+    method: str, execution: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MOON's and FedGA's per-client snapshots hold buffers and trainable parameters only (a
+    frozen projection is the same in every snapshot); the run equals one whose snapshots copy
+    the whole state dict, as they did before (bitwise in sequential mode, to float rounding
+    batched, where the frozen projection is one shared product)."""
+    cfg = tiny_config(method, "igpp", rounds=3).with_overrides(
+        ["backbone.train_projection=false", f"federation.execution={execution}"]
+    )
+
+    def run() -> Simulation:
+        sim = Simulation(cfg, build_federated_data(cfg, tmp_path))
+        sim.run()
+        return sim
+
+    new = run()
+    frozen = {n for n, p in new.clients[0].model.named_parameters() if not p.requires_grad}
+    assert "proj.weight" in frozen
+    full = set(new.clients[0].model.state_dict())
+    prefixes = ("moon.global.", "moon.prev.") if method == "moon" else ("fedga.local.",)
+    for c in new.clients:
+        for prefix in prefixes:
+            kept = {k[len(prefix) :] for k in c.state.tensors if k.startswith(prefix)}
+            assert kept == full - frozen, (prefix, kept)
+    whole = lambda model: {n: w.detach().clone() for n, w in model.state_dict().items()}  # noqa: E731
+    monkeypatch.setattr(baselines, "model_snapshot", whole)
+    monkeypatch.setattr(fedga, "model_snapshot", whole)
+    old = run()
+    assert any(k.endswith("proj.weight") for k in old.clients[0].state.tensors)
+    assert [h.client_acc for h in new.history] == [h.client_acc for h in old.history]
+    for a, b in zip(new.clients, old.clients):
+        for (n, x), y in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+            if execution == "sequential":
+                assert torch.equal(x, y), n
+            else:
+                torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)

@@ -373,6 +373,17 @@ def create_method(
 
 
 # ----- shared helpers used by several methods ---------------------------------------------
+def model_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of what can change in ``model``: its buffers and trainable parameters, by
+    state-dict name.  A frozen parameter (``requires_grad`` off) is left out: training never
+    moves it and averaging equal values returns them, so it is the same in every snapshot, and
+    a model call with a partial state (``functional_call``, :meth:`ModelView.features`) takes
+    it from the model.  With a frozen 1280 -> 512 projection this keeps 0.17 M of the 0.83 M
+    floats a client model holds."""
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    return {n: w.detach().clone() for n, w in model.state_dict().items() if n not in frozen}
+
+
 @contextlib.contextmanager
 def eval_mode(model: Any) -> Iterator[None]:
     """Run a block with ``model`` in eval mode (no dropout, no augmentation, BatchNorm running

@@ -23,6 +23,7 @@ from protofl.methods.base import (
     ClientState,
     GlobalState,
     Method,
+    model_snapshot,
 )
 from protofl.methods.objectives import (
     Group,
@@ -169,17 +170,18 @@ class Moon(Method):
     def begin_local(
         self, model: ClientModel, state: ClientState, global_state: GlobalState, client: int
     ) -> None:
-        """Snapshot the global model; the previous local model defaults to it in round one."""
-        for name, w in model.state_dict().items():
-            state.tensors[self.GLOBAL + name] = w.detach().clone()
-            state.tensors.setdefault(self.PREV + name, w.detach().clone())
+        """Snapshot the global model; the previous local model defaults to it in round one
+        (frozen parameters are left out of both: :func:`model_snapshot`)."""
+        for name, w in model_snapshot(model).items():
+            state.tensors[self.GLOBAL + name] = w
+            state.tensors.setdefault(self.PREV + name, w.clone())
 
     def end_local(
         self, model: ClientModel, state: ClientState, global_state: GlobalState, client: int
     ) -> None:
         """Keep this round's local model (before averaging) as next round's negative."""
-        for name, w in model.state_dict().items():
-            state.tensors[self.PREV + name] = w.detach().clone()
+        for name, w in model_snapshot(model).items():
+            state.tensors[self.PREV + name] = w
 
     def objective(self) -> LocalObjective:
         """CE + mu * l_con (MOON Eq. 3-4)."""

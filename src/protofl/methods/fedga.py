@@ -46,6 +46,7 @@ from protofl.methods.base import (
     Method,
     Upload,
     WeightPlan,
+    model_snapshot,
 )
 from protofl.methods.fpl import is_number
 from protofl.models.client import ClientModel
@@ -121,9 +122,10 @@ class FedGA(Method):
     def end_local(
         self, model: ClientModel, state: ClientState, global_state: GlobalState, client: int
     ) -> None:
-        """Snapshot the local model (before averaging): the reference of next round's gap."""
-        for name, w in model.state_dict().items():
-            state.tensors[LOCAL + name] = w.detach().clone()
+        """Snapshot the local model (before averaging): the reference of next round's gap
+        (frozen parameters are left out: :func:`model_snapshot`)."""
+        for name, w in model_snapshot(model).items():
+            state.tensors[LOCAL + name] = w
 
     def upload_extras(
         self, model: ClientModel, z: torch.Tensor, y: torch.Tensor, state: ClientState, client: int
