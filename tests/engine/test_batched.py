@@ -26,7 +26,7 @@ from protofl.models.client import build_client_model
 from protofl.privacy import create_mechanism
 from protofl.privacy.config import PrivacyConfig
 from protofl.privacy.mechanisms import release_many
-from tests.engine.helpers import stop_in_round
+from tests.engine.helpers import run_stopped_in_round
 
 # parameters after 3 rounds: batched and per-client products sum in different orders, so the
 # two modes agree to float rounding, not bitwise
@@ -795,11 +795,7 @@ def test_an_offloaded_run_stopped_mid_way_resumes_to_the_same_numbers(
 
     cfg = _offload_config("disk", "run.save_releases=false")
     full = run_experiment(cfg, out=tmp_path / "full", data=_data(cfg))
-    with monkeypatch.context() as patch:
-        stop_in_round(patch, 3)
-        with pytest.raises(KeyboardInterrupt):
-            run_experiment(cfg, out=tmp_path / "stopped", data=_data(cfg))
-    run_dir = next((tmp_path / "stopped").iterdir())
+    run_dir = run_stopped_in_round(cfg, 3, tmp_path / "stopped", monkeypatch, data=_data(cfg))
     resumed = resume_experiment(run_dir)
     assert [m.avg_acc for m in resumed.history] == [m.avg_acc for m in full.history]
     assert resumed.summary["privacy"] == full.summary["privacy"]

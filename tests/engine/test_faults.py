@@ -22,6 +22,7 @@ from protofl.methods import create_method
 from protofl.methods.base import Upload
 from protofl.methods.validation import validate_upload
 from protofl.privacy.base import Release
+from tests.engine.helpers import checkpoint_differences, run_stopped_in_round
 
 TIMING = ("wall_s", "setup_s", "environment")
 
@@ -57,26 +58,6 @@ def release(protos: torch.Tensor, classes: list[int], counts: list[int]) -> Rele
 
 
 # ----- checkpoint and resume ------------------------------------------------------------------
-def run_stopped_in_round(
-    cfg: ExperimentConfig, stop: int, out: Path, monkeypatch: pytest.MonkeyPatch
-) -> Path:
-    """Run ``cfg`` into ``out`` as if the user pressed Ctrl-C in round ``stop``; its folder."""
-    from protofl.engine import simulation
-
-    original = simulation.Simulation.run_round
-
-    def interrupted(self: simulation.Simulation) -> simulation.RoundMetrics:
-        if self.round == stop - 1:
-            raise KeyboardInterrupt
-        return original(self)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(simulation.Simulation, "run_round", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            run_experiment(cfg, out=out)
-    return next(out.iterdir())
-
-
 def test_resume_after_stop_gives_identical_summary(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -126,25 +107,6 @@ def test_sigkill_then_resume_is_identical(tmp_path: Path, state: tuple[str, ...]
     assert comparable(resumed.summary) == comparable(reference.summary)
 
 
-def differences(a: object, b: object, path: str = "") -> list[str]:
-    """Where two checkpoint states differ: tensors bitwise, everything else exactly (NaN equal
-    to NaN), timings left out."""
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-        return [] if same else [path]
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return [f"{path} keys"]
-        keys = [k for k in a if k not in TIMING]
-        return [d for k in keys for d in differences(a[k], b[k], f"{path}.{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{path} length"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
-    same = a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
-    return [] if same else [path]
-
-
 def test_an_offloaded_dcr_run_stopped_mid_way_resumes_to_the_same_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -171,7 +133,7 @@ def test_an_offloaded_dcr_run_stopped_mid_way_resumes_to_the_same_checkpoint(
     ours, theirs = load_latest_checkpoint(run_dir), load_latest_checkpoint(full.run_dir)
     assert ours is not None and theirs is not None and ours["round"] == theirs["round"] == 4
     assert any(c["dcr"]["steps"] > 0 for c in ours["clients"])  # DCR trained
-    assert differences(ours, theirs) == []
+    assert checkpoint_differences(ours, theirs) == []
 
 
 def test_corrupt_checkpoint_falls_back_to_previous(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from protofl.engine import batched
 from protofl.engine.batched import BatchedTrainer
 from protofl.engine.simulation import Simulation
 from protofl.methods.base import ClientState
-from tests.engine.helpers import stop_in_round
+from tests.engine.helpers import checkpoint_differences, run_stopped_in_round
 from tests.engine.test_batched import _data, _offload_config
 
 # methods whose clients keep ClientState tensors between rounds (MOON: two model copies,
@@ -43,37 +43,6 @@ def _last_checkpoint(run_dir: Path) -> tuple[Path, dict[str, Any]]:
     return path, torch.load(path, weights_only=True)
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _differences(a: Any, b: Any, path: str = "") -> list[str]:
-    """Where two checkpoints differ, bitwise (tensors by dtype, shape and bytes; wall-clock
-    times are left out)."""
-    if isinstance(a, torch.Tensor):
-        same = (
-            isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(_bytes(a), _bytes(b))
-            if a.numel()
-            else isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-        )
-        return [] if same else [path]
-    if isinstance(a, dict):
-        if not isinstance(b, dict) or set(a) != set(b):
-            return [f"{path} (keys)"]
-        return [d for k in a for d in _differences(a[k], b[k], f"{path}.{k}")]
-    if isinstance(a, list | tuple):
-        if not isinstance(b, list | tuple) or len(a) != len(b):
-            return [f"{path} (length)"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
-    if path.endswith("wall_s"):
-        return []
-    same = a == b or (a != a and b != b)  # NaN equals NaN here
-    return [] if same else [path]
-
-
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_offloaded_method_state_gives_the_in_memory_run_bit_for_bit(
     tmp_path: Path, method: str
@@ -93,7 +62,7 @@ def test_offloaded_method_state_gives_the_in_memory_run_bit_for_bit(
     _, memory = _last_checkpoint(runs["memory"].run_dir)
     _, disk = _last_checkpoint(runs["disk"].run_dir)
     assert any(c["state"] for c in memory["clients"]), "the method kept no client state"
-    assert _differences(memory, disk) == []
+    assert checkpoint_differences(memory, disk) == []
     assert not (runs["disk"].run_dir / STATE_DIR).exists()
 
 
@@ -188,18 +157,17 @@ def test_moon_on_disk_stopped_and_resumed_ends_bitwise_as_the_uninterrupted_run(
 
     cfg = _method_config("disk", "moon")
     full = run_experiment(cfg, out=tmp_path / "full", data=_data(cfg))
-    with monkeypatch.context() as patch:
-        stop_in_round(patch, 2)
-        with pytest.raises(KeyboardInterrupt):
-            run_experiment(cfg, out=tmp_path / "stopped", data=_data(cfg))
-    run_dir = next((tmp_path / "stopped").iterdir())
+    run_dir = run_stopped_in_round(cfg, 2, tmp_path / "stopped", monkeypatch, data=_data(cfg))
     _, saved = _last_checkpoint(run_dir)
     assert saved["round"] == 1
     holders = [bool(c["state"]) for c in saved["clients"]]
     assert any(holders) and not all(holders)
     resumed = resume_experiment(run_dir)
     assert resumed.summary["avg_acc"] == full.summary["avg_acc"]
-    assert _differences(_last_checkpoint(full.run_dir)[1], _last_checkpoint(run_dir)[1]) == []
+    assert (
+        checkpoint_differences(_last_checkpoint(full.run_dir)[1], _last_checkpoint(run_dir)[1])
+        == []
+    )
 
 
 def test_an_offloaded_checkpoint_is_no_larger_than_the_in_memory_one(tmp_path: Path) -> None:
