@@ -590,6 +590,12 @@ class Simulation:
             self.average_weights(active)
         plan = evaluation_plan(self.config.federation, self.round)
         client_acc = self.evaluate(plan == "sample") if plan != "none" else {}
+        holdout_acc = self.evaluate_holdout() if plan != "none" else None
+        # what the round's participants' method state became (uploads, training) goes to the
+        # mapped files too, and the clients' pages leave the resident set: part of the round's
+        # time (run.client_state=disk; no-ops otherwise)
+        self.offload_state([c for c, a in zip(self.clients, active) if a])
+        self.page_out()
         metrics = round_metrics(
             round_number=self.round + 1,
             client_acc=client_acc,
@@ -597,7 +603,7 @@ class Simulation:
             losses=losses,
             wall_s=time.perf_counter() - t0,
             privacy=self.privacy_status(),
-            holdout_acc=self.evaluate_holdout() if plan != "none" else None,
+            holdout_acc=holdout_acc,
             participants=[c.data.name for c, a in zip(self.clients, active) if a],
             rejected=rejected,
             feature_norms=self.last_feature_norms,
@@ -607,10 +613,6 @@ class Simulation:
         )
         self.round += 1
         self.history.append(metrics)
-        # what the round's participants' method state became (uploads, training) goes to the
-        # mapped files too
-        self.offload_state([c for c, a in zip(self.clients, active) if a])
-        self.page_out()
         return metrics
 
     def offload_state(self, clients: Sequence[Client]) -> None:
