@@ -922,7 +922,7 @@ class BatchedTrainer:
         self,
         sim: Simulation,
         *,
-        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        memory_budget: int | None = None,
         optimizer: str = "fused",
         state_dir: Path | None = None,
     ) -> None:
@@ -931,7 +931,10 @@ class BatchedTrainer:
         self.sim = sim
         # run.device (Simulation.device): the stacked storage, the batches and the products
         self.device: torch.device = getattr(sim, "device", torch.device("cpu"))
-        self.memory_budget = memory_budget
+        # run.memory_budget_mb in bytes; None: the default, which cuts the groups but never
+        # refuses a run (a client that needs more trains in a group of its own)
+        self.memory_budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+        self.budget_set = memory_budget is not None
         # run.client_state=disk: the stacked storage lives in memory-mapped files here
         self.state_dir = state_dir
         # torch's fused AdamW kernel (one pass over memory); "reference" runs the op sequence of
@@ -982,13 +985,16 @@ class BatchedTrainer:
         return FrozenProjections.of_clients(clients)
 
     def check_budget(self, clients: Sequence[Client]) -> None:
-        """Refuse a ``run.memory_budget_mb`` that cannot hold one client's working memory."""
+        """Refuse a ``run.memory_budget_mb`` set by the user that cannot hold one client's
+        working memory (the default never refuses)."""
         self.check_budget_of([c.data for c in clients])
 
     def check_budget_of(self, data: Sequence[ClientData]) -> None:
         """:meth:`check_budget` from the clients' data alone (a client's working memory
         follows from the model's shapes, which the trainer read from the first client, and
         its data): ``run.client_state=disk`` checks it before any client is written."""
+        if not self.budget_set:
+            return
         worst = max(data, key=self._bytes_for)
         need = self._bytes_for(worst)
         if need > self.memory_budget:
@@ -1369,7 +1375,7 @@ class BatchedTrainer:
                 which = proj_of[a:b] if proj_of is not None else None
                 y0 = y0_all[rows] if y0_all is not None and width >= narrowest else None
                 f_raw = self._features(w, g, z, which, y0)
-                if dcr is None or radius is None:
+                if radius is None:  # DCR off
                     f = f_raw
                 else:
                     r_ab = radius[a:b, None, None] if isinstance(radius, torch.Tensor) else radius

@@ -390,7 +390,7 @@ class FusedTrainer(BatchedTrainer):
             _FusedView(self, stand_ins),  # type: ignore[arg-type]
             memory_budget=self.sims[0].memory_budget(),
         )
-        if self.supported and self.sims[0].config.run.memory_budget_mb is not None:
+        if self.supported:
             # as a run alone (Simulation.batched_trainer), a budget below one client is refused:
             # the runs go one by one, and each fails with that error
             try:

@@ -242,8 +242,7 @@ class Simulation:
                     f"run.client_state=disk needs a run the batched executor can train: "
                     f"{self.batched.reason}"
                 )
-            if self.config.run.memory_budget_mb is not None:
-                self.batched.check_budget_of(self.data.clients)
+            self.batched.check_budget_of(self.data.clients)
         self.batched._ensure_store().adopt_all([c], optimizer=False)
 
     def _check_offload(self) -> None:
@@ -258,12 +257,11 @@ class Simulation:
             )
         trainer.projections = trainer.frozen_projections(self.clients)
 
-    def memory_budget(self) -> int:
-        """Bytes one group of batched clients may use (``run.memory_budget_mb``)."""
-        from protofl.engine.batched import DEFAULT_MEMORY_BUDGET
-
+    def memory_budget(self) -> int | None:
+        """Bytes one group of batched clients may use (``run.memory_budget_mb``); None: the
+        batched trainer's default, which never refuses a run."""
         mb = self.config.run.memory_budget_mb
-        return DEFAULT_MEMORY_BUDGET if mb is None else mb * 2**20
+        return None if mb is None else mb * 2**20
 
     # ----- what the server may know about a client's size --------------------------------------
     @property
@@ -293,11 +291,9 @@ class Simulation:
             from protofl.engine.batched import BatchedTrainer
 
             self.batched = BatchedTrainer(self, memory_budget=self.memory_budget())
-            # the budget (run.memory_budget_mb, default 256 MB) cuts the groups; one the user set
-            # that cannot hold one client is refused, as with run.client_state=disk (there when
-            # the simulation is built, here before the first round trains); the default never
-            # refuses a run (a client that needs more trains in a group of its own)
-            if self.batched.supported and self.config.run.memory_budget_mb is not None:
+            # a budget the user set below one client is refused, as with run.client_state=disk
+            # (there when the simulation is built, here before the first round trains)
+            if self.batched.supported:
                 self.batched.check_budget(self.clients)
         return self.batched if self.batched.supported else None
 
