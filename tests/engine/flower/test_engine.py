@@ -373,6 +373,36 @@ def test_sampling_dcr_and_holdout_match_the_simulator(overrides: list[str], tmp_
     assert got == ref
 
 
+@pytest.mark.parametrize("method", ["fedproto", "fedavg"])
+def test_evaluation_at_scale_matches_the_simulator(method: str, tmp_path: Path) -> None:
+    """``federation.eval_every`` / ``eval_samples`` on Flower: the simulator's per-round
+    figures; a skipped round sends no evaluation (a method that shares weights still hands
+    them out), a sampled round is measured on the subsample, the last rounds on the whole set."""
+    config = tiny_config(method, "vpdr", rounds=8).with_overrides(
+        ["federation.eval_every=3", "federation.eval_samples=24"]
+    )
+    ref = Simulation(config, build_federated_data(config, tmp_path / "home")).run()
+    assert [m.evaluation for m in ref] == ["none", "none", "sample"] + ["full"] * 5
+    app = make_client_app(config, tmp_path / "home")
+    tested: dict[int, list[Any]] = {}
+
+    def client(msg: Message, ctx: Context) -> Message:
+        reply = app(msg, ctx)
+        if msg.metadata.message_type == "evaluate":
+            metrics = reply.content["metrics"]
+            tested.setdefault(_round(msg), []).append(metrics.get("num-examples"))
+        return reply
+
+    got = _serve(InlineGrid(client, 2), config, diagnostics=True).history
+    assert comparable(got) == comparable(ref)
+    shares_weights = method == "fedavg"
+    assert tested == {
+        **({1: [None, None], 2: [None, None]} if shares_weights else {}),
+        3: [24, 24],
+        **{r: [80, 80] for r in range(4, 9)},
+    }
+
+
 # ----- privacy against the server: the wire allow-list and the noise key ----------------------
 def _allowed(phase: str, *, diagnostics: bool) -> set[str]:
     from protofl.engine.flower.codec import DIAGNOSTIC_RECORD, WIRE_FIELDS

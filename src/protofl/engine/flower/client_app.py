@@ -14,7 +14,9 @@ Messages (the strategy sends them in this order every round):
   prototype).  The client's ledger is charged before the reply is sent.
 * ``train``: local epochs against the broadcast global state; replies the mean loss (and the
   model weights, for methods that share them).
-* ``evaluate``: loads averaged weights if any, evaluates on the client's test set.
+* ``evaluate``: loads averaged weights if any, evaluates on the client's test set (the whole
+  set, its fixed subsample of ``federation.eval_samples``, or not at all in a round that
+  ``federation.eval_every`` skips: ``config["evaluation"]``).
 
 State across rounds: everything mutable (model, optimiser, method ``ClientState``, DCR teacher,
 privacy ledger, RNG states, mechanism counters) is saved into ``context.state["protofl"]``
@@ -253,16 +255,19 @@ def fresh_client_state(
 
 
 @torch.no_grad()
-def evaluate_client(sim: Simulation, c: Client) -> float:
-    """One client's accuracy on its domain's test set (``Simulation.evaluate`` for one client)."""
+def evaluate_client(sim: Simulation, c: Client, sample: bool = False) -> tuple[float, int]:
+    """One client's accuracy on its domain's test set, or (``sample``) on the set's fixed
+    subsample of ``federation.eval_samples`` (``Simulation.evaluate`` for one client), and the
+    number of test samples it was measured on."""
     c.model.eval()
+    test_z, test_y = sim.test_set(c, sample)
     correct = 0
-    for start in range(0, len(c.data.test_y), EVAL_BATCH):
-        z = c.data.test_z[start : start + EVAL_BATCH].float()
-        y = c.data.test_y[start : start + EVAL_BATCH]
+    for start in range(0, len(test_y), EVAL_BATCH):
+        z = test_z[start : start + EVAL_BATCH].float()
+        y = test_y[start : start + EVAL_BATCH]
         pred = sim.method.predict(c.model, z, sim.global_state, c.state)
         correct += int((pred == y).sum())
-    return correct / max(len(c.data.test_y), 1)
+    return correct / max(len(test_y), 1), len(test_y)
 
 
 @torch.no_grad()
@@ -355,11 +360,16 @@ def _evaluate(sim: Simulation, c: Client, msg: Message) -> RecordDict:
     sim.global_state = decode_global_state(msg.content.get("global", ArrayRecord()))
     if "weights" in msg.content:
         c.model.load_state_dict(record_to_tensors(msg.content["weights"], "weights"))
-    acc = evaluate_client(sim, c)
+    plan = str(msg.content.get("config", ConfigRecord()).get("evaluation", "full"))
+    if plan not in ("full", "sample", "none"):
+        raise ValueError(f"config['evaluation'] is {plan!r}, not one of full, sample, none")
+    if plan == "none":  # federation.eval_every: the weights only, no accuracy this round
+        return RecordDict({"metrics": MetricRecord({"partition-id": c.data.client})})
+    acc, tested = evaluate_client(sim, c, sample=plan == "sample")
     metrics: dict[str, Any] = {
         "partition-id": c.data.client,
         "accuracy": acc,
-        "num-examples": len(c.data.test_y),
+        "num-examples": tested,
     }
     holdout = evaluate_client_holdout(sim, c)
     if holdout is not None:

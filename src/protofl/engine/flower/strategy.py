@@ -15,7 +15,12 @@ One round, as in the in-process simulator (``Simulation.run_round``):
 3. ``method.aggregate`` on the accepted uploads (in partition order) gives the global state;
 4. **train** (``train``) with that state; methods that share weights reply their weights and
    the strategy averages them exactly as the simulator (:mod:`protofl.engine.round`);
-5. **evaluate** (``evaluate``) on every known client, with the averaged weights if any;
+5. **evaluate** (``evaluate``) on every known client, with the averaged weights if any.
+   Under ``federation.eval_every`` / ``federation.eval_samples`` the round's
+   :func:`~protofl.engine.round.evaluation_plan` is sent as ``config["evaluation"]``: ``full``
+   (the whole test set), ``sample`` (the client's fixed seeded subsample, as in the simulator)
+   or ``none``: no accuracy that round; the message then only carries the averaged weights
+   (and is not sent at all for a method that shares none);
 6. a :class:`~protofl.engine.simulation.RoundMetrics` with accuracies, privacy spent and the
    rejected replies.
 
@@ -56,6 +61,7 @@ from protofl.engine.flower.codec import (
 from protofl.engine.round import (
     RoundMetrics,
     combine_weights,
+    evaluation_plan,
     privacy_status,
     round_metrics,
     select_participants,
@@ -129,12 +135,6 @@ class ProtoStrategy(Strategy):
                 + "; ".join(e.split(":")[0] for e in extras)
                 + " beside their weights, which the Flower engine does not carry; "
                 "use run.engine=sim"
-            )
-        fed = config.federation
-        if fed.eval_every != 1 or fed.eval_samples != 0:
-            raise ValueError(
-                "federation.eval_every / federation.eval_samples (evaluation at scale) are run "
-                "by the in-process engine only; use run.engine=sim or leave them at 1 / 0"
             )
         # accept the clients' local-only diagnostics record (protofl's own simulation only)
         self.diagnostics = diagnostics
@@ -325,9 +325,16 @@ class ProtoStrategy(Strategy):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Evaluation messages to every known node (with the averaged weights, if any)."""
+        """Evaluation messages to every known node (with the averaged weights, if any), saying
+        how the round is evaluated (:func:`~protofl.engine.round.evaluation_plan`); none when
+        the round is not evaluated and there are no weights to hand out."""
+        plan = evaluation_plan(self.config.federation, server_round - 1)
+        if plan == "none" and self.avg_weights is None:
+            return []
+        round_config = self._config(server_round)
+        round_config["evaluation"] = plan
         content = RecordDict(
-            {"global": encode_global_state(self.global_state), "config": self._config(server_round)}
+            {"global": encode_global_state(self.global_state), "config": round_config}
         )
         if self.avg_weights is not None:
             content["weights"] = tensors_to_record(self.avg_weights)
@@ -338,10 +345,14 @@ class ProtoStrategy(Strategy):
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """Per-client accuracies (kept for the round's metrics); returns their mean."""
+        """Per-client accuracies (kept for the round's metrics); returns their mean (None: the
+        round is not evaluated, its replies only acknowledge the averaged weights)."""
         self._client_acc = {}
         self._holdout = {}
-        for node, msg in self._good_replies(replies, "evaluate", server_round):
+        good = self._good_replies(replies, "evaluate", server_round)
+        if evaluation_plan(self.config.federation, server_round - 1) == "none":
+            return None
+        for node, msg in good:
             try:
                 metrics = msg.content["metrics"]
                 acc = float(metrics["accuracy"])  # type: ignore[index, arg-type]
@@ -823,6 +834,7 @@ class ProtoStrategy(Strategy):
             holdout_acc=holdout,
             participants=[by_partition[p].name for p in self._trained],
             rejected=self._log.rejected,
+            evaluation=evaluation_plan(self.config.federation, rnd - 1),
         )
 
     def guarantee(self) -> dict[str, Any]:
