@@ -237,3 +237,16 @@ def test_rdp_calibration_is_pushed_to_the_safe_side_of_float_rounding() -> None:
     delta = 10.0**-5.853515625
     sigma = calibrate_gaussian(0.1, delta, 14, "rdp")
     assert epsilon_spent(gaussians(sigma, 14), delta=delta, accountant="rdp") <= 0.1
+
+
+def test_equal_compositions_are_composed_once() -> None:
+    """Clients with the same events (a round with full participation) ask the same question:
+    the PLD composition is made once, whatever order the pure events came in."""
+    from protofl.privacy.accounting import _compose, compose_epsilon
+
+    _compose.cache_clear()
+    first = compose_epsilon(0.37, {0.1: 3, 0.2: 2}, delta=1e-5)
+    again = compose_epsilon(0.37, {0.2: 2, 0.1: 3, 0.5: 0}, delta=1e-5)
+    info = _compose.cache_info()
+    assert again == first and info.misses == 1 and info.hits == 1
+    assert compose_epsilon(0.38, {0.1: 3, 0.2: 2}, delta=1e-5) > first

@@ -229,8 +229,17 @@ def compose_epsilon(
     check_accountant(accountant)
     if not 0 < delta < 1:
         _fail("delta", delta, "(0, 1)")
-    fn = {"pld": _pld_epsilon, "rdp": _rdp_epsilon, "rdp-classic": _classic_epsilon}[accountant]
-    pure = {float(e): int(n) for e, n in pure.items() if e > 0 and n > 0}
+    items = tuple(sorted((float(e), int(n)) for e, n in pure.items() if e > 0 and n > 0))
+    return _compose(float(inv_z2), items, float(delta), accountant)
+
+
+@functools.lru_cache(maxsize=4096)
+def _compose(inv_z2: float, items: tuple[tuple[float, int], ...], delta: float, acc: str) -> float:
+    """:func:`compose_epsilon` of validated arguments, kept for repeated questions: clients
+    whose ledgers hold the same events (every client of a round with full participation, asked
+    once each by the Flower engine) compose once."""
+    fn = {"pld": _pld_epsilon, "rdp": _rdp_epsilon, "rdp-classic": _classic_epsilon}[acc]
+    pure = dict(items)
     eps = fn(inv_z2, pure, delta)
     if pure:
         basic = sum(e * n for e, n in pure.items()) + (fn(inv_z2, {}, delta) if inv_z2 > 0 else 0)
