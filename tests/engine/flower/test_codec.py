@@ -119,6 +119,24 @@ def test_local_state_pack_round_trip() -> None:
     assert back["ledger"] == state["ledger"] and back["n"] == 3
 
 
+def test_a_packed_state_holds_torch_saves_bytes_once_and_the_old_form_still_reads() -> None:
+    import io
+
+    import numpy as np
+    from flwr.app import Array, ArrayRecord
+
+    from protofl.engine.flower.codec import STATE_STYPE
+
+    state = {"model": {"w": torch.randn(64, 64)}, "n": 3}
+    packed = pack_state(state)["state"]
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    assert packed.stype == STATE_STYPE and packed.data == buf.getvalue()
+    assert tuple(packed.shape) == (len(buf.getvalue()),) and packed.dtype == "uint8"
+    old = ArrayRecord({"state": Array(np.frombuffer(buf.getvalue(), dtype=np.uint8).copy())})
+    assert torch.equal(unpack_state(old)["model"]["w"], state["model"]["w"])
+
+
 def _broken(mutate) -> str:  # type: ignore[no-untyped-def]
     content = encode_upload(make_upload())
     mutate(content)

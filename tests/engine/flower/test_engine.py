@@ -314,6 +314,67 @@ def test_dtype_and_weights_round_trip_keep_client_models(tmp_path: Path) -> None
         assert torch.equal(v, after["model"][k])
 
 
+def test_a_client_state_leaves_out_frozen_parameters_it_can_take_from_the_start(
+    tmp_path: Path,
+) -> None:
+    """A frozen projection that still equals its initial value is not saved with the client's
+    state (every message packs that state), and loads back from the run's initial state; one
+    that changed (weights averaged over clients with different frozen values) is saved."""
+    from protofl.engine.flower.client_app import client_state, get_runtime, load_client_state
+
+    config = tiny_config("fedproto", "vpdr").with_overrides(["backbone.train_projection=false"])
+    rt = get_runtime(config, tmp_path)
+    c = rt.sim.clients[0]
+    frozen = {"proj.weight", "proj.bias"}
+    assert {n for n, p in c.model.named_parameters() if not p.requires_grad} == frozen
+    # the clients' initial states share one copy of the frozen values
+    assert rt.initial[0]["model"]["proj.weight"] is rt.initial[1]["model"]["proj.weight"]
+    with torch.no_grad():
+        c.model.head.weight.add_(1.0)
+    full = client_state(rt.sim, c)
+    state = client_state(rt.sim, c, rt.initial[0])
+    assert set(full["model"]) - set(state["model"]) == frozen
+    with torch.no_grad():
+        for p in c.model.parameters():
+            p.add_(1.0)  # frozen ones too: loading must put them back from the initial state
+    load_client_state(rt.sim, c, state, rt.initial[0])
+    for k, v in c.model.state_dict().items():
+        assert torch.equal(v, full["model"][k]), k
+    with torch.no_grad():
+        c.model.proj.bias.add_(1.0)
+    changed = client_state(rt.sim, c, rt.initial[0])
+    assert "proj.bias" in changed["model"] and "proj.weight" not in changed["model"]
+    load_client_state(rt.sim, c, rt.initial[0], None)  # leave the cached runtime as it was
+
+
+@pytest.mark.parametrize("method", ["fedproto", "fedavg"])
+def test_a_frozen_projection_run_equals_the_simulator_and_evaluation_keeps_the_state(
+    method: str, tmp_path: Path
+) -> None:
+    """With a frozen projection (VPDR's protocol) both engines agree; an evaluation without
+    averaged weights leaves the client's saved state as it was (no repacking), one with
+    them saves the adopted weights."""
+    config = tiny_config(method, "vpdr").with_overrides(["backbone.train_projection=false"])
+    ref = Simulation(config, build_federated_data(config, tmp_path / "home")).run()
+    app = make_client_app(config, tmp_path / "home")
+    kept: list[bool] = []
+    saved_frozen: list[bool] = []
+
+    def client(msg: Message, ctx: Context) -> Message:
+        before = ctx.state.get(STATE_KEY)
+        reply = app(msg, ctx)
+        if msg.metadata.message_type == "evaluate":
+            kept.append(ctx.state[STATE_KEY] is before)
+            state = unpack_state(ctx.state[STATE_KEY])  # type: ignore[arg-type]
+            saved_frozen.append("proj.weight" in state["model"])
+        return reply
+
+    got = _serve(InlineGrid(client, 2), config, diagnostics=True).history
+    assert comparable(got) == comparable(ref)
+    assert kept == [method == "fedproto"] * 6  # 3 rounds x 2 clients
+    assert saved_frozen == [False] * 6
+
+
 def test_cli_glue_runs_the_flower_engine(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

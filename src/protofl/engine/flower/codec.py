@@ -316,20 +316,29 @@ def claimed_release_facts(content: Any) -> tuple[str, list[dict[str, Any]]] | No
 
 
 # ----- opaque local state (context.state) -------------------------------------------------------
+STATE_STYPE = "protofl.torch-save"
+"""The ``stype`` of a packed client state: its bytes are ``torch.save``'s, as they are."""
+
+
 def pack_state(state: Mapping[str, Any]) -> ArrayRecord:
     """Arbitrary torch-serialisable state (tensors, plain containers) as a one-entry ArrayRecord.
 
-    ``torch.save`` bytes are stored as a uint8 array, so Flower chunks them like any array.
-    Used only for a client's ``context.state``, which never leaves its node.
+    The ``torch.save`` bytes are the array's data as they are (``stype``
+    :data:`STATE_STYPE`, a uint8 vector), so Flower chunks them like any array and nothing
+    copies them again.  Used only for a client's ``context.state``, which never leaves its node.
     """
     buf = io.BytesIO()
     torch.save(dict(state), buf)
-    return ArrayRecord({"state": Array(np.frombuffer(buf.getvalue(), dtype=np.uint8).copy())})
+    data = buf.getvalue()
+    array = Array(dtype="uint8", shape=(len(data),), stype=STATE_STYPE, data=data)
+    return ArrayRecord({"state": array})
 
 
 def unpack_state(record: ArrayRecord) -> dict[str, Any]:
-    """Inverse of :func:`pack_state` (``weights_only`` loading: no code is unpickled)."""
-    data = record["state"].numpy().tobytes()
+    """Inverse of :func:`pack_state` (``weights_only`` loading: no code is unpickled); also
+    reads a state packed as a numpy uint8 array (before :data:`STATE_STYPE`)."""
+    array = record["state"]
+    data = array.data if array.stype == STATE_STYPE else array.numpy().tobytes()
     out: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
     return out
 
