@@ -27,6 +27,9 @@ the engine trains.  Sections:
   rounds' time over the in-memory run's);
 * ``m10000``: 10,000 clients, 10% participation, 20 rounds, client state on disk
   (``bench_m1000.py --scale m10000``): wall time, peak RSS, the store's size on disk, accuracy.
+* ``flower``: the Flower engine (ServerApp and ClientApps over the in-process grid) against the
+  in-process sequential engine at M = 100, 5 rounds (``bench_flower.py``, each in its own
+  process; ``flower_over_sim_round``: its mean round over the in-process one);
 * ``fused``: a fused sweep of 3 seeds x 2 mechanisms against its 6 runs one by one and against
   one run (``bench_fused.py``, in its own process; ``fused_over_one_run``, target within 2x);
   ``fused_vpdr``: the same under VPDR's protocol (``bench_fused.py --preset vpdr``: a frozen
@@ -264,17 +267,24 @@ def mechanisms(m: int, *, rounds: int) -> dict[str, Any]:
             uploads[mech].append(sim.upload_s[-1])
             trains[mech].append(sim.train_s[-1])
     # accounting after the last round: every client's ledger composed on its own (what the
-    # engine did before it kept one composition per distinct ledger) versus privacy_status
+    # engine did before it kept one composition per distinct ledger; the accountant's own
+    # cache of compositions is emptied before each) versus privacy_status
+    from protofl.privacy.accounting import _compose
+
     status_s, memo_s = {}, {}
     for mech, sim in sims.items():
         for c in sim.clients:
             c.ledger._cache = None
-        t0 = time.perf_counter()
+        elapsed = 0.0
         for c in sim.clients:
+            _compose.cache_clear()
+            t0 = time.perf_counter()
             c.ledger.epsilon_spent()
-        status_s[mech] = time.perf_counter() - t0
+            elapsed += time.perf_counter() - t0
+        status_s[mech] = elapsed
         for c in sim.clients:
             c.ledger._cache = None
+        _compose.cache_clear()
         t0 = time.perf_counter()
         sim.privacy_status()
         memo_s[mech] = time.perf_counter() - t0
@@ -526,6 +536,15 @@ def m1000(rounds: int, scale: str = "m1000", *overrides: str) -> dict[str, Any]:
     return result
 
 
+def flower(clients: int, rounds: int) -> dict[str, Any]:
+    """bench_flower.py: the Flower engine against the in-process one (their own processes)."""
+    cmd = [sys.executable, str(HERE / "bench_flower.py"), "--clients", str(clients)]
+    out = subprocess.run(
+        [*cmd, "--rounds", str(rounds)], check=True, capture_output=True, text=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def fused(rounds: int, repeat: int, *preset: str) -> dict[str, Any]:
     """bench_fused.py's fused sweep against separate runs, in its own process (its own workers);
     ``preset``: e.g. ``"--preset", "vpdr"``."""
@@ -584,6 +603,7 @@ def main() -> None:
         "m1000 disk", lambda: m1000(rounds, "m1000", "run.client_state=disk")
     )
     results["m10000"] = step("m10000", lambda: m1000(rounds, "m10000"))
+    results["flower"] = step("flower", lambda: flower(100, 3 if args.quick else 5))
     results["fused"] = step(
         "fused sweep", lambda: fused(3 if args.quick else 5, 1 if args.quick else 2)
     )
@@ -623,6 +643,9 @@ def main() -> None:
             "m10000_wall_s": results["m10000"]["wall_s"],
             "m10000_peak_rss_gb": results["m10000"]["peak_rss_gb"],
             "m10000_avg_acc": results["m10000"]["avg_acc"],
+            # the Flower engine's mean round over the in-process engine's, M = 100
+            "flower_over_sim_round": results["flower"]["flower_over_sim_round"],
+            "flower_peak_rss_gb": results["flower"]["flower"]["peak_rss_gb"],
             # a fused 3 seeds x 2 mechanisms sweep over one run's wall time (target: 2x)
             "fused_over_one_run": results["fused"]["fused_over_one_run"],
             # the same as whole commands: protofl sweep (fused) over protofl run
@@ -723,6 +746,13 @@ def print_table(r: dict[str, Any]) -> None:
         f"{x['wall_s']:.0f} s (data {x['data_s']:.0f} s, build {x['build_s']:.0f} s, rounds "
         f"{x['rounds_s']:.0f} s), peak RSS {x['peak_rss_gb']:.2f} GB, store "
         f"{x['state_on_disk_gb']:.1f} GB on disk, avg acc {x['avg_acc']:.3f}"
+    )
+    fl = r["flower"]
+    print(
+        f"\nFlower engine (inline grid) at M={fl['clients']}, {fl['rounds']} rounds: round "
+        f"{fl['flower_round_s']:.2f} s against {fl['sim_round_s']:.2f} s in process "
+        f"(x{fl['flower_over_sim_round']:.2f}), peak RSS {fl['flower']['peak_rss_gb']:.2f} GB "
+        f"against {fl['sim']['peak_rss_gb']:.2f} GB, final avg acc {fl['final_acc']:.3f}"
     )
     f = r["fused"]
     print(
