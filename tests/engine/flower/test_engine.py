@@ -375,6 +375,21 @@ def test_a_frozen_projection_run_equals_the_simulator_and_evaluation_keeps_the_s
     assert saved_frozen == [False] * 6
 
 
+def test_a_release_cache_saved_as_a_dict_is_snapshotted_before_anything_trains() -> None:
+    """A state saved before the release cache was kept as bytes holds it as a dict, which may
+    share tensors with the saved state itself (``torch.save`` keeps shared objects shared):
+    training on the loaded state must not change the state the cache gives back."""
+    from protofl.engine.flower.client_app import cached_release, cached_state_after_release
+
+    moments = {"exp_avg": torch.zeros(3)}
+    saved = {"optimizer": moments, "release_cache": {"round": 2, "after": {"optimizer": moments}}}
+    cache = cached_release(saved)
+    moments["exp_avg"].add_(1.0)  # what training does to the loaded optimiser state
+    after = cached_state_after_release(cache)
+    assert torch.equal(after["optimizer"]["exp_avg"], torch.zeros(3)) and cache["round"] == 2
+    assert cached_release({}) == {}
+
+
 def test_cli_glue_runs_the_flower_engine(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

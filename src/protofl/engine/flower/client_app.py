@@ -197,26 +197,17 @@ def client_state(
     }
 
 
-LOADED_PARTS = (
-    "model",
-    "optimizer",
-    "state",
-    "ledger",
-    "train_gen",
-    "noise_gen",
-    "dcr",
-    "mechanism",
-    "public_count",
-)
-"""What :func:`load_client_state` reads of a saved state (not the release cache)."""
+NOT_LOADED = ("release_cache", "noise_key")
+"""Parts of a saved state :func:`load_client_state` does not read (:func:`_run` does)."""
 
 
 def load_client_state(
     sim: Simulation, c: Client, state: dict[str, Any], initial: dict[str, Any] | None = None
 ) -> None:
     """Inverse of :func:`client_state` (``initial``: where the left-out frozen parameters come
-    from).  The loaded parts are copied: nothing the client trains aliases ``state``."""
-    state = copy.deepcopy({k: state[k] for k in LOADED_PARTS if k in state})
+    from).  The client takes ``state``'s tensors over (the optimiser's moments, the method's
+    state): pass a private copy, such as a freshly unpacked state, whose tensors nothing else
+    holds (the release cache is kept as bytes, :func:`release_cache`, so it cannot alias them)."""
     model = state["model"]
     if initial is not None:
         model = {**{k: v for k, v in initial["model"].items() if k not in model}, **model}
@@ -289,9 +280,34 @@ def decode_reply(data: torch.Tensor) -> RecordDict:
 
 
 def release_cache(state: dict[str, Any], rnd: int, content: RecordDict) -> dict[str, Any]:
-    """What a client keeps of its release in round ``rnd``: the reply and its state after it."""
+    """What a client keeps of its release in round ``rnd``: the reply and its state after it,
+    both as bytes (``torch.save``'s for the state): a later message unpacks them only if the
+    server asks for the same release again, and training cannot change them in place."""
     after = {k: v for k, v in state.items() if k not in PRIVATE_PARTS}
-    return {"round": rnd, "reply": encode_reply(content), "after": after}
+    return {"round": rnd, "reply": encode_reply(content), "after": _state_bytes(after)}
+
+
+def _state_bytes(state: dict[str, Any]) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def cached_release(saved: dict[str, Any]) -> dict[str, Any]:
+    """The release cache of a saved state, its state after the release as bytes (a cache
+    saved before they were kept as bytes holds a dict, which may share tensors with the saved
+    state: it is turned into bytes here, before anything trains)."""
+    cache: dict[str, Any] = saved.get("release_cache") or {}
+    if isinstance(cache.get("after"), dict):
+        cache = {**cache, "after": _state_bytes(cache["after"])}
+    return cache
+
+
+def cached_state_after_release(cache: dict[str, Any]) -> dict[str, Any]:
+    """The state :func:`release_cache` kept, unpacked afresh."""
+    data = cache["after"].numpy().tobytes()
+    out: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
+    return out
 
 
 def fresh_client_state(
@@ -487,12 +503,13 @@ def _run(
                 f"node {context.node_id}: its saved client state uses the {saved['noise_key']} "
                 f"noise key, this run asks for {mode}; a run never changes its noise key"
             )
-        cache: dict[str, Any] = saved.get("release_cache") or {}
+        cache = cached_release(saved)
         again = phase == "release" and int(cache.get("round", -1)) == rnd
         # a repeated release request for the same round: the same release, and the training
         # state of just after it (ledger, noise stream and counters stay where they are)
         initial = runtime.initial[pid]
-        load_client_state(sim, c, {**saved, **cache["after"]} if again else saved, initial)
+        loaded = {**saved, **cached_state_after_release(cache)} if again else saved
+        load_client_state(sim, c, loaded, initial)
         sim.round = max(rnd - 1, 0)
         try:
             if again:
