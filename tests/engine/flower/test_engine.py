@@ -385,9 +385,41 @@ def test_a_release_cache_saved_as_a_dict_is_snapshotted_before_anything_trains()
     saved = {"optimizer": moments, "release_cache": {"round": 2, "after": {"optimizer": moments}}}
     cache = cached_release(saved)
     moments["exp_avg"].add_(1.0)  # what training does to the loaded optimiser state
-    after = cached_state_after_release(cache)
+    after = cached_state_after_release(cache, saved)
     assert torch.equal(after["optimizer"]["exp_avg"], torch.zeros(3)) and cache["round"] == 2
     assert cached_release({}) == {}
+
+
+def test_the_state_after_a_release_is_kept_once_as_the_bytes_it_was_saved_as(
+    tmp_path: Path,
+) -> None:
+    """A release saves the client's state once (its cache points at it); the next message that
+    changes the state (training) keeps the bytes the release saved, untouched, as the state a
+    repeated release goes back to."""
+    from protofl.engine.flower.codec import packed_bytes
+
+    config = tiny_config("fedproto", "vpdr", rounds=2)
+    app = make_client_app(config, tmp_path / "home")
+    seen: list[tuple[str, int, Any]] = []
+
+    def client(msg: Message, ctx: Context) -> Message:
+        before = ctx.state.get(STATE_KEY)
+        before_bytes = None if before is None else packed_bytes(before)  # type: ignore[arg-type]
+        reply = app(msg, ctx)
+        cache = unpack_state(ctx.state[STATE_KEY])["release_cache"]  # type: ignore[arg-type]
+        if ctx.node_config["partition-id"] == 0 and cache and ctx.state[STATE_KEY] is not before:
+            after = cache["after"]
+            kept = None if after is None else after.numpy().tobytes() == before_bytes
+            seen.append((msg.metadata.message_type, _round(msg), kept))
+        return reply
+
+    _serve(InlineGrid(client, 2), config, diagnostics=True)
+    assert seen == [
+        ("train.release", 1, None),
+        ("train", 1, True),
+        ("train.release", 2, None),
+        ("train", 2, True),
+    ]  # evaluations adopt no weights here: they save nothing
 
 
 def test_cli_glue_runs_the_flower_engine(

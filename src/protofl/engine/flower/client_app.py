@@ -61,9 +61,10 @@ from protofl.engine.flower.codec import (
     decode_global_state,
     encode_upload,
     finite_metrics,
+    load_state_bytes,
     pack_state,
+    packed_bytes,
     record_to_tensors,
-    unpack_state,
 )
 from protofl.engine.simulation import EVAL_BATCH, Client, Simulation
 from protofl.methods.base import Upload
@@ -234,13 +235,19 @@ def node_flag(node_config: Any, key: str) -> bool:
 
 def load_node_state(path: Path) -> dict[str, Any] | None:
     """The client state saved on this node by :func:`save_node_state` (None if there is none)."""
+    loaded = _read_node_state(path)
+    return None if loaded is None else loaded[0]
+
+
+def _read_node_state(path: Path) -> tuple[dict[str, Any], bytes] | None:
+    """:func:`load_node_state` and the file's bytes."""
     if not path.exists():
         return None
+    data = path.read_bytes()
     try:
-        state: dict[str, Any] = torch.load(io.BytesIO(path.read_bytes()), weights_only=True)
+        return load_state_bytes(data), data
     except Exception as exc:
         raise ValueError(f"{path}: the node's saved client state cannot be read ({exc})") from None
-    return state
 
 
 def save_node_state(path: Path, state: dict[str, Any]) -> None:
@@ -279,12 +286,21 @@ def decode_reply(data: torch.Tensor) -> RecordDict:
     return recorddict_from_proto(ProtoRecordDict.FromString(data.numpy().tobytes()))
 
 
-def release_cache(state: dict[str, Any], rnd: int, content: RecordDict) -> dict[str, Any]:
-    """What a client keeps of its release in round ``rnd``: the reply and its state after it,
-    both as bytes (``torch.save``'s for the state): a later message unpacks them only if the
-    server asks for the same release again, and training cannot change them in place."""
-    after = {k: v for k, v in state.items() if k not in PRIVATE_PARTS}
-    return {"round": rnd, "reply": encode_reply(content), "after": _state_bytes(after)}
+def release_cache(rnd: int, content: RecordDict) -> dict[str, Any]:
+    """What a client keeps of its release in round ``rnd``: the reply (as bytes) and its state
+    after it.  That state is the one saved with the cache (``after`` None) until a later
+    message saves a different one; that message keeps the bytes it was saved as
+    (:func:`keep_state_after_release`).  As bytes it is unpacked only if the server asks for
+    the same release again, and nothing the client trains can change it in place."""
+    return {"round": rnd, "reply": encode_reply(content), "after": None}
+
+
+def keep_state_after_release(cache: dict[str, Any], saved_bytes: bytes) -> dict[str, Any]:
+    """``cache`` holding the state after its release as bytes: ``saved_bytes``, the state saved
+    with it, when it held none (the saved state was that state)."""
+    if not cache or cache.get("after") is not None:
+        return cache
+    return {**cache, "after": torch.frombuffer(bytearray(saved_bytes), dtype=torch.uint8)}
 
 
 def _state_bytes(state: dict[str, Any]) -> torch.Tensor:
@@ -294,20 +310,22 @@ def _state_bytes(state: dict[str, Any]) -> torch.Tensor:
 
 
 def cached_release(saved: dict[str, Any]) -> dict[str, Any]:
-    """The release cache of a saved state, its state after the release as bytes (a cache
-    saved before they were kept as bytes holds a dict, which may share tensors with the saved
-    state: it is turned into bytes here, before anything trains)."""
+    """The release cache of a saved state (a cache saved as a dict, before the state after the
+    release was kept as bytes, may share tensors with the saved state: it is turned into bytes
+    here, before anything trains)."""
     cache: dict[str, Any] = saved.get("release_cache") or {}
     if isinstance(cache.get("after"), dict):
         cache = {**cache, "after": _state_bytes(cache["after"])}
     return cache
 
 
-def cached_state_after_release(cache: dict[str, Any]) -> dict[str, Any]:
-    """The state :func:`release_cache` kept, unpacked afresh."""
-    data = cache["after"].numpy().tobytes()
-    out: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
-    return out
+def cached_state_after_release(cache: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
+    """The parts of the state after the cached release that a repeated release restores (not
+    :data:`PRIVATE_PARTS`), unpacked afresh; ``saved`` when the cache holds no bytes (the saved
+    state is the state after the release)."""
+    after = cache.get("after")
+    state = saved if after is None else load_state_bytes(after.numpy().tobytes())
+    return {k: v for k, v in state.items() if k not in PRIVATE_PARTS and k not in NOT_LOADED}
 
 
 def fresh_client_state(
@@ -492,10 +510,13 @@ def _run(
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.run.threads or 1)
     try:
+        saved: dict[str, Any] | None = None
+        saved_bytes = b""
         if STATE_KEY in context.state:
-            saved: dict[str, Any] | None = unpack_state(context.state[STATE_KEY])  # type: ignore[arg-type]
-        else:
-            saved = load_node_state(state_file) if state_file is not None else None
+            saved_bytes = packed_bytes(context.state[STATE_KEY])  # type: ignore[arg-type]
+            saved = load_state_bytes(saved_bytes)
+        elif state_file is not None and (read := _read_node_state(state_file)) is not None:
+            saved, saved_bytes = read
         if saved is None:
             saved = fresh_client_state(sim, runtime.initial[pid], mode)
         elif saved.get("noise_key", mode) != mode:
@@ -508,7 +529,7 @@ def _run(
         # a repeated release request for the same round: the same release, and the training
         # state of just after it (ledger, noise stream and counters stay where they are)
         initial = runtime.initial[pid]
-        loaded = {**saved, **cached_state_after_release(cache)} if again else saved
+        loaded = {**saved, **cached_state_after_release(cache, saved)} if again else saved
         load_client_state(sim, c, loaded, initial)
         sim.round = max(rnd - 1, 0)
         try:
@@ -528,7 +549,9 @@ def _run(
             return Message(content=content, reply_to=msg)
         state = {**client_state(sim, c, initial), "noise_key": mode}
         if phase == "release" and not again:
-            cache = release_cache(state, rnd, content)
+            cache = release_cache(rnd, content)
+        elif not again:  # the state after the release changes now: keep it as it was saved
+            cache = keep_state_after_release(cache, saved_bytes)
         state["release_cache"] = cache or None
         context.state[STATE_KEY] = pack_state(state)
         if state_file is not None:

@@ -334,11 +334,20 @@ def pack_state(state: Mapping[str, Any]) -> ArrayRecord:
     return ArrayRecord({"state": array})
 
 
-def unpack_state(record: ArrayRecord) -> dict[str, Any]:
-    """Inverse of :func:`pack_state` (``weights_only`` loading: no code is unpickled); also
-    reads a state packed as a numpy uint8 array (before :data:`STATE_STYPE`)."""
+def packed_bytes(record: ArrayRecord) -> bytes:
+    """The ``torch.save`` bytes a :func:`pack_state` record holds (also of a state packed as a
+    numpy uint8 array, before :data:`STATE_STYPE`)."""
     array = record["state"]
-    data = array.data if array.stype == STATE_STYPE else array.numpy().tobytes()
+    return array.data if array.stype == STATE_STYPE else array.numpy().tobytes()
+
+
+def unpack_state(record: ArrayRecord) -> dict[str, Any]:
+    """Inverse of :func:`pack_state` (``weights_only`` loading: no code is unpickled)."""
+    return load_state_bytes(packed_bytes(record))
+
+
+def load_state_bytes(data: bytes) -> dict[str, Any]:
+    """A state from ``torch.save`` bytes (``weights_only``: no code is unpickled)."""
     out: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
     return out
 
