@@ -422,6 +422,18 @@ def test_the_state_after_a_release_is_kept_once_as_the_bytes_it_was_saved_as(
     ]  # evaluations adopt no weights here: they save nothing
 
 
+def test_a_config_key_is_its_canonical_json_for_every_config_object() -> None:
+    """Every message asks for the key of its run's config (kept per config object): equal
+    configs share it, and a config that differs never gets another's."""
+    from protofl.engine.flower.client_app import config_key
+
+    a = tiny_config("fedproto", "vpdr")
+    b = tiny_config("fedproto", "vpdr")
+    assert config_key(a) == config_key(b) == config_key(a)
+    keys = {config_key(a.with_overrides([f"seed={s}"])) for s in range(40)}
+    assert len(keys) == 40 and config_key(a) not in keys
+
+
 def test_cli_glue_runs_the_flower_engine(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -100,8 +100,19 @@ def config_from_run_config(run_config: Any) -> ExperimentConfig:
 
 
 def config_key(config: ExperimentConfig) -> str:
-    """A stable key for a config (its canonical JSON)."""
-    return json.dumps(config.to_dict(), sort_keys=True)
+    """A stable key for a config (its canonical JSON); kept for the config objects seen last
+    (a config is frozen, and every message of a run asks again)."""
+    hit = _CONFIG_KEYS.get(id(config))
+    if hit is not None and hit[0] is config:
+        return hit[1]
+    key = json.dumps(config.to_dict(), sort_keys=True)
+    if len(_CONFIG_KEYS) >= 16:
+        _CONFIG_KEYS.clear()
+    _CONFIG_KEYS[id(config)] = (config, key)
+    return key
+
+
+_CONFIG_KEYS: dict[int, tuple[ExperimentConfig, str]] = {}
 
 
 @dataclass
@@ -173,12 +184,13 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def client_state(
-    sim: Simulation, c: Client, initial: dict[str, Any] | None = None
+    sim: Simulation, c: Client, initial: dict[str, Any] | None = None, *, copy_model: bool = True
 ) -> dict[str, Any]:
     """Everything one client changes across rounds (the per-client part of
     ``Simulation.state_dict``, plus its mechanism counters).  With ``initial`` (the client's
     state at the start of the run) a frozen parameter still equal to its initial value is left
-    out; :func:`load_client_state` takes it from ``initial``."""
+    out; :func:`load_client_state` takes it from ``initial``.  ``copy_model=False``: the model
+    entries are the live tensors, for a state serialised at once (as the optimiser's are)."""
     mech = sim.mechanism.state_dict()
     model = c.model.state_dict()
     if initial is not None:
@@ -186,7 +198,7 @@ def client_state(
             if name in model and _equal(model[name], initial["model"][name]):
                 del model[name]
     return {
-        "model": {k: v.clone() for k, v in model.items()},
+        "model": {k: v.clone() for k, v in model.items()} if copy_model else dict(model),
         "optimizer": c.optimizer.state_dict(),
         "state": dict(c.state.tensors),
         "ledger": c.ledger.state_dict(),
@@ -547,7 +559,8 @@ def _run(
             # evaluation changes no client state (the simulator's federation.eval_every rests
             # on it too): with no averaged weights to adopt, the saved state stays as it is
             return Message(content=content, reply_to=msg)
-        state = {**client_state(sim, c, initial), "noise_key": mode}
+        # serialised below, before anything changes the client again: no copies
+        state = {**client_state(sim, c, initial, copy_model=False), "noise_key": mode}
         if phase == "release" and not again:
             cache = release_cache(rnd, content)
         elif not again:  # the state after the release changes now: keep it as it was saved
