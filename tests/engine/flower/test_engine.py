@@ -430,7 +430,7 @@ def test_a_config_key_is_its_canonical_json_for_every_config_object() -> None:
     a = tiny_config("fedproto", "vpdr")
     b = tiny_config("fedproto", "vpdr")
     assert config_key(a) == config_key(b) == config_key(a)
-    keys = {config_key(a.with_overrides([f"seed={s}"])) for s in range(40)}
+    keys = {config_key(a.with_overrides([f"seed={s}"])) for s in range(1, 41)}
     assert len(keys) == 40 and config_key(a) not in keys
 
 
