@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import subprocess
 import sys
 import time
@@ -36,8 +37,23 @@ from protofl.methods.checks import tiny_config
 NOT_COMPARED = ("wall_s", "feature_norms")
 
 
+def _nan_as_text(value: Any) -> Any:
+    """NaN (the accuracy of a round that was not evaluated) as text: NaN equals nothing, and a
+    container only compares it equal when both sides hold the very same NaN object."""
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    if isinstance(value, dict):
+        return {k: _nan_as_text(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_nan_as_text(v) for v in value]
+    return value
+
+
 def comparable(history: list[RoundMetrics]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in m.to_json().items() if k not in NOT_COMPARED} for m in history]
+    return [
+        _nan_as_text({k: v for k, v in m.to_json().items() if k not in NOT_COMPARED})
+        for m in history
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -420,6 +436,71 @@ def test_the_state_after_a_release_is_kept_once_as_the_bytes_it_was_saved_as(
         ("train.release", 2, None),
         ("train", 2, True),
     ]  # evaluations adopt no weights here: they save nothing
+
+
+def test_a_batched_flower_client_saves_its_own_rows_only(tmp_path: Path) -> None:
+    """With batched execution a client's parameters, moments and DCR teacher are rows of the
+    process's stacked store; its saved state holds its own rows (``torch.save`` would write
+    every client's), and the run equals the simulator's."""
+    config = tiny_config("fedproto", "vpdr", clients_per_domain=2).with_overrides(
+        ["federation.execution=batched", "privacy.dcr=true"]
+    )
+    ref = Simulation(config, build_federated_data(config, tmp_path / "home")).run()
+    app = make_client_app(config, tmp_path / "home")
+    shared: list[str] = []
+
+    def tensors(obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            yield path, obj
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                yield from tensors(v, f"{path}.{k}")
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                yield from tensors(v, f"{path}[{i}]")
+
+    def client(msg: Message, ctx: Context) -> Message:
+        reply = app(msg, ctx)
+        state = unpack_state(ctx.state[STATE_KEY])  # type: ignore[arg-type]
+        for path, t in tensors({k: v for k, v in state.items() if k != "release_cache"}, ""):
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                shared.append(f"{msg.metadata.message_type}{path}")
+        return reply
+
+    got = _serve(InlineGrid(client, 4), config, diagnostics=True, min_nodes=4).history
+    # equal to float rounding: a Flower process trains its clients one message at a time, the
+    # simulator all four in one batched group
+    for a, b in zip(comparable(got), comparable(ref), strict=True):
+        assert a["client_acc"] == b["client_acc"] and a["participants"] == b["participants"]
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
+        assert a["privacy"]["epsilon_spent"] == b["privacy"]["epsilon_spent"]
+    assert shared == []
+
+
+def test_a_client_that_ignores_the_evaluation_plan_is_rejected(tmp_path: Path) -> None:
+    """A client built before evaluation plans measures its whole test set in a ``sample``
+    round; the server leaves that accuracy out and records why."""
+    config = tiny_config("fedproto", "vpdr", rounds=7).with_overrides(
+        ["federation.eval_every=2", "federation.eval_samples=24"]
+    )
+    app = make_client_app(config, tmp_path / "home")
+
+    def old_client(msg: Message, ctx: Context) -> Message:
+        if msg.metadata.message_type == "evaluate":
+            del msg.content["config"]["evaluation"]
+        return app(msg, ctx)
+
+    history = _serve(InlineGrid(old_client, 2), config, diagnostics=True).history
+    assert [m.evaluation for m in history] == ["none", "sample"] + ["full"] * 5
+    reasons = {(m.round, r["reason"]) for m in history for r in m.rejected}
+    assert reasons == {
+        (
+            2,
+            "malformed metrics: evaluated on 80 test samples; "
+            "the round's plan (sample) asks for 24",
+        )
+    }
+    assert math.isnan(history[1].avg_acc) and not math.isnan(history[2].avg_acc)
 
 
 def test_a_config_key_is_its_canonical_json_for_every_config_object() -> None:

@@ -210,6 +210,21 @@ def client_state(
     }
 
 
+def own_storage(obj: Any) -> Any:
+    """``obj`` (nested dicts, lists, tuples) with every tensor that views part of a larger
+    storage copied out: ``torch.save`` writes a tensor's whole storage, and with
+    ``federation.execution: batched`` a client's parameters, moments and DCR teacher are rows
+    of the stacked ``[M, ...]`` store of every client in the process."""
+    if isinstance(obj, torch.Tensor):
+        whole = obj.untyped_storage().nbytes() == obj.numel() * obj.element_size()
+        return obj if whole and obj.is_contiguous() else obj.clone()
+    if isinstance(obj, dict):
+        return {k: own_storage(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(own_storage(v) for v in obj)
+    return obj
+
+
 NOT_LOADED = ("release_cache", "noise_key")
 """Parts of a saved state :func:`load_client_state` does not read (:func:`_run` does)."""
 
@@ -559,8 +574,10 @@ def _run(
             # evaluation changes no client state (the simulator's federation.eval_every rests
             # on it too): with no averaged weights to adopt, the saved state stays as it is
             return Message(content=content, reply_to=msg)
-        # serialised below, before anything changes the client again: no copies
-        state = {**client_state(sim, c, initial, copy_model=False), "noise_key": mode}
+        # serialised below, before anything changes the client again: no copies, but of rows
+        # of a batched store (own_storage)
+        live = client_state(sim, c, initial, copy_model=False)
+        state = {**own_storage(live), "noise_key": mode}
         if phase == "release" and not again:
             cache = release_cache(rnd, content)
         elif not again:  # the state after the release changes now: keep it as it was saved

@@ -92,6 +92,7 @@ class NodeInfo:
     num_samples: int
     has_holdout: bool = False
     noise_key: str = "unknown"
+    num_test: int | None = None  # the size of its domain's test set (evaluation plans)
 
 
 @dataclass
@@ -350,7 +351,8 @@ class ProtoStrategy(Strategy):
         self._client_acc = {}
         self._holdout = {}
         good = self._good_replies(replies, "evaluate", server_round)
-        if evaluation_plan(self.config.federation, server_round - 1) == "none":
+        plan = evaluation_plan(self.config.federation, server_round - 1)
+        if plan == "none":
             return None
         for node, msg in good:
             try:
@@ -358,6 +360,7 @@ class ProtoStrategy(Strategy):
                 acc = float(metrics["accuracy"])  # type: ignore[index, arg-type]
                 if not 0.0 <= acc <= 1.0:
                     raise ValueError(f"accuracy {acc!r} is outside [0, 1]")
+                self._check_evaluated(node, plan, metrics)
                 if "holdout-accuracy" in metrics:  # type: ignore[operator]
                     self._holdout[node.partition] = float(metrics["holdout-accuracy"])  # type: ignore[index, arg-type]
             except (KeyError, TypeError, ValueError) as exc:
@@ -367,6 +370,21 @@ class ProtoStrategy(Strategy):
         if not self._client_acc:
             return None
         return MetricRecord({"accuracy": float(np.mean(list(self._client_acc.values())))})
+
+    def _check_evaluated(self, node: NodeInfo, plan: str, metrics: Any) -> None:
+        """A client measured what the round's plan asks: its whole test set (``full``) or the
+        subsample of ``federation.eval_samples`` (``sample``); a client that ignores the plan
+        (one built before evaluation plans) would report figures the simulator does not."""
+        if node.num_test is None or "num-examples" not in metrics:
+            return
+        want = node.num_test
+        if plan == "sample" and 0 < self.config.federation.eval_samples < node.num_test:
+            want = self.config.federation.eval_samples
+        got = int(metrics["num-examples"])
+        if got != want:
+            raise ValueError(
+                f"evaluated on {got} test samples; the round's plan ({plan}) asks for {want}"
+            )
 
     # ----- the release phase (prototype upload) ----------------------------------------------
     def configure_release(self, server_round: int, grid: Grid) -> list[Message]:
@@ -589,6 +607,7 @@ class ProtoStrategy(Strategy):
                     num_samples=int(h.get("num-samples", 0)),  # type: ignore[call-overload, arg-type]
                     has_holdout=bool(h.get("has-holdout", False)),
                     noise_key=str(h.get("noise-key", "unknown")),
+                    num_test=int(h["num-test"]) if "num-test" in h else None,  # type: ignore[call-overload, arg-type]
                 )
                 num_clients = int(h["num-clients"])  # type: ignore[arg-type]
                 num_classes = int(h["num-classes"])  # type: ignore[arg-type]
