@@ -550,23 +550,18 @@ def test_float16_cached_features_train_and_evaluate_batched() -> None:
     assert abs(sum(a.values()) - sum(b.values())) / len(a) < 0.05
 
 
-def test_privacy_status_accounts_each_distinct_ledger_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_privacy_status_accounts_each_distinct_ledger_once() -> None:
     from protofl.privacy import accounting
 
     cfg = _config(**{"privacy.mechanism": "igpp", "federation.rounds": "1"})
     sim = Simulation(cfg, _data(cfg))
-    calls: list[int] = []
     real = accounting.epsilon_spent
-
-    def counting(events: list[dict[str, object]], **kw: object) -> float:
-        calls.append(len(events))
-        return real(events, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(accounting, "epsilon_spent", counting)
+    accounting._compose.cache_clear()
     sim.run_round()
     eps = sim.history[-1].privacy["epsilon_spent"]
     # every client made the same kind of release (same sigma, same sensitivity): one composition
-    assert len(set(eps.values())) == 1 and len(calls) == 1
+    compositions = accounting._compose.cache_info().misses
+    assert len(set(eps.values())) == 1 and compositions == 1
     fresh = {c.data.name: real(c.ledger.events(), delta=c.ledger.delta) for c in sim.clients}
     assert eps == pytest.approx(fresh)
     # a client whose ledger differs (it sat out a round) is accounted on its own

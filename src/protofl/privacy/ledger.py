@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,16 +43,6 @@ class PrivacyLedger:
     def events(self) -> list[dict[str, Any]]:
         """Every recorded event, in order."""
         return [e for entry in self.entries for e in entry["events"]]
-
-    def fingerprint(self) -> str:
-        """A key equal for two ledgers exactly when they compose to the same epsilon: the delta,
-        the accountant, whether every release was private, and the events in order (the rounds
-        they were made in do not enter the composition)."""
-        return json.dumps(
-            [self.delta, self.accountant, self.private, self.events()],
-            sort_keys=True,
-            default=repr,
-        )
 
     def epsilon_spent(self) -> float | None:
         """Epsilon at ``delta`` for everything recorded; None when a release had no guarantee."""
