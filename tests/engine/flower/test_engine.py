@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -320,7 +321,7 @@ def test_dtype_and_weights_round_trip_keep_client_models(tmp_path: Path) -> None
     config = tiny_config("fedproto", "vpdr")
     rt = get_runtime(config, tmp_path)
     c = rt.sim.clients[0]
-    before = client_state(rt.sim, c)
+    before = copy.deepcopy(client_state(rt.sim, c))
     with torch.no_grad():
         for p in c.model.parameters():
             p.add_(1.0)
@@ -347,8 +348,8 @@ def test_a_client_state_leaves_out_frozen_parameters_it_can_take_from_the_start(
     assert rt.initial[0]["model"]["proj.weight"] is rt.initial[1]["model"]["proj.weight"]
     with torch.no_grad():
         c.model.head.weight.add_(1.0)
-    full = client_state(rt.sim, c)
-    state = client_state(rt.sim, c, rt.initial[0])
+    full = copy.deepcopy(client_state(rt.sim, c))
+    state = copy.deepcopy(client_state(rt.sim, c, rt.initial[0]))
     assert set(full["model"]) - set(state["model"]) == frozen
     with torch.no_grad():
         for p in c.model.parameters():

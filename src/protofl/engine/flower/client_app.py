@@ -184,13 +184,13 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def client_state(
-    sim: Simulation, c: Client, initial: dict[str, Any] | None = None, *, copy_model: bool = True
+    sim: Simulation, c: Client, initial: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """Everything one client changes across rounds (the per-client part of
     ``Simulation.state_dict``, plus its mechanism counters).  With ``initial`` (the client's
     state at the start of the run) a frozen parameter still equal to its initial value is left
-    out; :func:`load_client_state` takes it from ``initial``.  ``copy_model=False``: the model
-    entries are the live tensors, for a state serialised at once (as the optimiser's are)."""
+    out; :func:`load_client_state` takes it from ``initial``.  The tensors are the client's live
+    ones: serialise the state at once, or deep-copy it to keep it."""
     mech = sim.mechanism.state_dict()
     model = c.model.state_dict()
     if initial is not None:
@@ -198,7 +198,7 @@ def client_state(
             if name in model and _equal(model[name], initial["model"][name]):
                 del model[name]
     return {
-        "model": {k: v.clone() for k, v in model.items()} if copy_model else dict(model),
+        "model": dict(model),
         "optimizer": c.optimizer.state_dict(),
         "state": dict(c.state.tensors),
         "ledger": c.ledger.state_dict(),
@@ -576,8 +576,7 @@ def _run(
             return Message(content=content, reply_to=msg)
         # serialised below, before anything changes the client again: no copies, but of rows
         # of a batched store (own_storage)
-        live = client_state(sim, c, initial, copy_model=False)
-        state = {**own_storage(live), "noise_key": mode}
+        state = {**own_storage(client_state(sim, c, initial)), "noise_key": mode}
         if phase == "release" and not again:
             cache = release_cache(rnd, content)
         elif not again:  # the state after the release changes now: keep it as it was saved
