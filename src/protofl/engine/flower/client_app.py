@@ -67,7 +67,7 @@ from protofl.engine.flower.codec import (
     record_to_tensors,
 )
 from protofl.engine.simulation import EVAL_BATCH, Client, Simulation
-from protofl.methods.base import Upload
+from protofl.methods.base import Upload, frozen_parameter_names
 from protofl.privacy.noise import INSECURE_OPT_OUT, resolve_noise_mode, secret_seed
 
 log = logging.getLogger(__name__)
@@ -161,17 +161,13 @@ def _own_mechanism_state(state: Any, name: str) -> Any:
     }
 
 
-def _frozen_names(c: Client) -> set[str]:
-    return {n for n, p in c.model.named_parameters() if not p.requires_grad}
-
-
 def _share_frozen(sim: Simulation, initial: dict[int, dict[str, Any]]) -> None:
     """Let the clients' initial states hold one copy of each frozen parameter value they share
     (a frozen 1280 -> 512 projection is 2.6 MB a client; read only, never written)."""
     seen: dict[str, list[torch.Tensor]] = {}
     for c in sim.clients:
         model = initial[c.data.client]["model"]
-        for name in _frozen_names(c):
+        for name in frozen_parameter_names(c.model):
             same = [t for t in seen.setdefault(name, []) if _equal(t, model[name])]
             if same:
                 model[name] = same[0]
@@ -194,7 +190,7 @@ def client_state(
     mech = sim.mechanism.state_dict()
     model = c.model.state_dict()
     if initial is not None:
-        for name in _frozen_names(c):
+        for name in frozen_parameter_names(c.model):
             if name in model and _equal(model[name], initial["model"][name]):
                 del model[name]
     return {
