@@ -439,6 +439,47 @@ def test_the_state_after_a_release_is_kept_once_as_the_bytes_it_was_saved_as(
     ]  # evaluations adopt no weights here: they save nothing
 
 
+def tensors(obj: Any, path: str = "") -> Any:
+    """``(path, tensor)`` for every tensor in nested dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from tensors(v, f"{path}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from tensors(v, f"{path}[{i}]")
+
+
+def owns_its_storage(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def test_a_disk_backed_runtime_keeps_one_copy_of_the_clients_equal_initial_values(
+    tmp_path: Path,
+) -> None:
+    """With ``run.client_state=disk`` a client's parameters are rows of a mapped store built
+    with the clients: the runtime's initial states hold their own rows (a deep copy of a row
+    copied the whole store, once per client: memory quadratic in M), and clients that start
+    from the same values share one copy of each (linear in the distinct values, not in M)."""
+    from protofl.engine.flower.client_app import get_runtime
+
+    config = tiny_config("fedproto", "vpdr", clients_per_domain=3).with_overrides(
+        ["federation.execution=batched", "run.client_state=disk", "privacy.dcr=true"]
+    )
+    rt = get_runtime(config, tmp_path)
+    assert len(rt.initial) == 6
+    for pid, state in rt.initial.items():
+        for path, t in tensors(state):
+            assert owns_its_storage(t), f"partition {pid}: {path} views a larger storage"
+    first = dict(tensors({k: rt.initial[0][k] for k in ("model", "dcr")}))
+    assert first and all(t.numel() > 0 for t in first.values())
+    for pid in range(1, 6):
+        other = dict(tensors({k: rt.initial[pid][k] for k in ("model", "dcr")}))
+        for path, t in first.items():
+            assert torch.equal(t, other[path]) and other[path] is t, (pid, path)
+
+
 def test_a_batched_flower_client_saves_its_own_rows_only(tmp_path: Path) -> None:
     """With batched execution a client's parameters, moments and DCR teacher are rows of the
     process's stacked store; its saved state holds its own rows (``torch.save`` would write
@@ -450,21 +491,11 @@ def test_a_batched_flower_client_saves_its_own_rows_only(tmp_path: Path) -> None
     app = make_client_app(config, tmp_path / "home")
     shared: list[str] = []
 
-    def tensors(obj: Any, path: str) -> Any:
-        if isinstance(obj, torch.Tensor):
-            yield path, obj
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                yield from tensors(v, f"{path}.{k}")
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                yield from tensors(v, f"{path}[{i}]")
-
     def client(msg: Message, ctx: Context) -> Message:
         reply = app(msg, ctx)
         state = unpack_state(ctx.state[STATE_KEY])  # type: ignore[arg-type]
-        for path, t in tensors({k: v for k, v in state.items() if k != "release_cache"}, ""):
-            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        for path, t in tensors({k: v for k, v in state.items() if k != "release_cache"}):
+            if not owns_its_storage(t):
                 shared.append(f"{msg.metadata.message_type}{path}")
         return reply
 

@@ -140,10 +140,15 @@ def get_runtime(config: ExperimentConfig, home: Path | None = None) -> ClientRun
         if runtime is None:
             data = build_federated_data(config, home)
             sim = Simulation(config, data)
-            # deep copies: a state_dict aliases live tensors (the DCR teacher's), which a run
-            # would otherwise mutate in place, so the next run in this process started elsewhere
-            initial = {c.data.client: copy.deepcopy(client_state(sim, c)) for c in sim.clients}
-            _share_frozen(sim, initial)
+            # private copies: a state_dict aliases live tensors (the DCR teacher's), which a run
+            # would otherwise mutate in place, so the next run in this process started elsewhere;
+            # of a client's own rows only (own_storage: with run.client_state=disk they are rows
+            # of the mapped store, and a deep copy of a row copies the whole store)
+            initial: dict[int, dict[str, Any]] = {}
+            shared: dict[Any, list[torch.Tensor]] = {}
+            for c in sim.clients:
+                state = copy.deepcopy(own_storage(client_state(sim, c)))
+                initial[c.data.client] = _share_equal(state, shared)
             runtime = ClientRuntime(config=config, sim=sim, initial=initial)
             _RUNTIMES.clear()  # one experiment per process at a time; free the last one
             _RUNTIMES[key] = runtime
@@ -161,18 +166,35 @@ def _own_mechanism_state(state: Any, name: str) -> Any:
     }
 
 
-def _share_frozen(sim: Simulation, initial: dict[int, dict[str, Any]]) -> None:
-    """Let the clients' initial states hold one copy of each frozen parameter value they share
-    (a frozen 1280 -> 512 projection is 2.6 MB a client; read only, never written)."""
-    seen: dict[str, list[torch.Tensor]] = {}
-    for c in sim.clients:
-        model = initial[c.data.client]["model"]
-        for name in frozen_parameter_names(c.model):
-            same = [t for t in seen.setdefault(name, []) if _equal(t, model[name])]
+def _share_equal(
+    state: dict[str, Any],
+    seen: dict[Any, list[torch.Tensor]],
+    parts: tuple[str, ...] = ("model", "dcr"),
+) -> dict[str, Any]:
+    """``state`` with each tensor of its ``parts`` replaced by an equal one already ``seen`` at
+    the same place in another client's initial state (recorded in ``seen`` otherwise).
+
+    Clients whose fresh models are identical (``Backbone.client_model_key``) then hold one copy
+    of their initial values, so the runtime's initial states grow with the distinct values, not
+    with M (a frozen 1280 -> 512 projection alone is 2.6 MB a client).  They are read only:
+    :func:`fresh_client_state` copies, :func:`load_client_state` copies into the model."""
+
+    def share(obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            # candidates by a cheap key (clients with distinct values compare with few)
+            key = (path, obj.dtype, tuple(obj.shape), tuple(obj.flatten()[:16].tolist()))
+            same = [t for t in seen.setdefault(key, []) if torch.equal(t, obj)]
             if same:
-                model[name] = same[0]
-            else:
-                seen[name].append(model[name])
+                return same[0]
+            seen[key].append(obj)
+            return obj
+        if isinstance(obj, dict):
+            return {k: share(v, f"{path}.{k}") for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(share(v, f"{path}[{i}]") for i, v in enumerate(obj))
+        return obj
+
+    return {k: share(v, k) if k in parts else v for k, v in state.items()}
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
