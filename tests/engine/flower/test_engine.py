@@ -297,6 +297,13 @@ def test_unknown_backend_and_missing_config_fail_clearly(tmp_path: Path) -> None
         run_flower_simulation(tiny_config("fedproto", "none"), home=tmp_path, backend="nope")
     with pytest.raises(ValueError, match="protofl-config"):
         config_from_run_config({})
+    # node state only in files on this machine: refused on a Ray cluster, before any folder
+    disk = tiny_config("fedproto", "none").with_overrides(
+        ["federation.execution=batched", "run.client_state=disk"]
+    )
+    with pytest.raises(ValueError, match=r"run.client_state=disk .* Ray cluster"):
+        run_flower_simulation(disk, home=tmp_path, ray_address="auto", out=tmp_path / "runs")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_state_survives_in_context_between_messages(tmp_path: Path) -> None:
@@ -507,6 +514,91 @@ def test_a_batched_flower_client_saves_its_own_rows_only(tmp_path: Path) -> None
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
         assert a["privacy"]["epsilon_spent"] == b["privacy"]["epsilon_spent"]
     assert shared == []
+
+
+@pytest.mark.parametrize("client_state", ["memory", "disk"])
+def test_a_flower_process_keeps_no_client_state_between_messages_beyond_what_it_saves(
+    client_state: str, tmp_path: Path
+) -> None:
+    """After each message a client's optimiser moments and method state leave the process's
+    simulator skeleton (every message loads them from the saved state: a second copy, kept for
+    every client the process served).  With ``run.client_state=disk`` the node's state file is
+    the only saved state (its Context holds none, so a process simulating many nodes holds
+    none of them), and the run still equals the simulator's."""
+    from protofl.engine.flower.client_app import get_runtime
+
+    config = tiny_config("fedproto", "vpdr", clients_per_domain=2).with_overrides(
+        ["federation.execution=batched", f"run.client_state={client_state}", "privacy.dcr=true"]
+    )
+    home = tmp_path / "home"
+    ref = Simulation(config, build_federated_data(config, home)).run()
+    nodes = tmp_path / "nodes"
+    app = make_client_app(config, home, state_root=nodes)
+    kept: list[str] = []
+
+    def client(msg: Message, ctx: Context) -> Message:
+        reply = app(msg, ctx)
+        sim = get_runtime(config, home).sim
+        for c in sim.clients:
+            if c.optimizer.state or c.state.tensors:
+                kept.append(f"{msg.metadata.message_type}: {c.data.name}")
+        in_context = STATE_KEY in ctx.state
+        if in_context != (client_state == "memory"):
+            kept.append(f"{msg.metadata.message_type}: context holds state: {in_context}")
+        return reply
+
+    got = _serve(InlineGrid(client, 4), config, diagnostics=True, min_nodes=4).history
+    for a, b in zip(comparable(got), comparable(ref), strict=True):
+        assert a["client_acc"] == b["client_acc"] and a["participants"] == b["participants"]
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
+        assert a["privacy"]["epsilon_spent"] == b["privacy"]["epsilon_spent"]
+    assert kept == []
+    assert len(list(nodes.glob("partition-*/protofl-client-*.pt"))) == 4
+
+
+def test_a_disk_backed_flower_run_resumes_from_its_node_files_to_the_same_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run.client_state=disk`` on the Flower engine: without a run folder the nodes' state
+    lives in a temporary folder removed with the run; with one, a run stopped mid-round (its
+    clients a round ahead of the server's checkpoint) resumes from the node files alone to the
+    numbers of the run that never stopped."""
+    import tempfile
+
+    import protofl.engine.checkpoint as checkpoint
+    from protofl.engine.flower.run import resume_flower_simulation
+
+    config = tiny_config("fedproto", "vpdr", rounds=3).with_overrides(
+        ["federation.execution=batched", "run.client_state=disk", "privacy.dcr=true"]
+    )
+    home = tmp_path / "home"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    reference = run_flower_simulation(config, home=home, backend="inline")
+    assert not list((tmp_path / "tmp").glob("protofl-flower-nodes-*"))
+    real = checkpoint.save_checkpoint
+
+    class Stopped(Exception):
+        pass
+
+    def stop_at_round_2(run_dir: Path, rnd: int, state: dict[str, Any]) -> Path:
+        if rnd == 2:
+            raise Stopped
+        return real(run_dir, rnd, state)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", stop_at_round_2)
+    with pytest.raises(Stopped):
+        run_flower_simulation(config, home=home, backend="inline", out=tmp_path / "runs")
+    monkeypatch.setattr(checkpoint, "save_checkpoint", real)
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert _node_ledger_rounds(run_dir) == {"partition-0": [0, 1], "partition-1": [0, 1]}
+    resumed = resume_flower_simulation(run_dir, home=home, backend="inline")
+    for a, b in zip(comparable(resumed.history), comparable(reference.history), strict=True):
+        assert a["client_acc"] == b["client_acc"]
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
+        assert a["privacy"] == b["privacy"]
+    assert resumed.summary["privacy"] == reference.summary["privacy"]
+    assert _node_ledger_rounds(run_dir) == {"partition-0": [0, 1, 2], "partition-1": [0, 1, 2]}
 
 
 def test_a_client_that_ignores_the_evaluation_plan_is_rejected(tmp_path: Path) -> None:

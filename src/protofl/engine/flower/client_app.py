@@ -272,6 +272,18 @@ def load_client_state(
         sim.public_counts.pop(c.data.client, None)
 
 
+def unload_client(sim: Simulation, c: Client) -> None:
+    """Drop what ``c`` holds in the process's simulator skeleton beyond its model: optimiser
+    moments and method state, which every message loads afresh from the client's saved state
+    (:func:`load_client_state`), so they would only be a second copy, kept for every client the
+    process ever served.  With ``run.client_state=disk`` its rows of the mapped store leave the
+    resident set as well."""
+    c.optimizer.state.clear()
+    c.state.tensors = {}
+    if sim.state_dir is not None and sim.batched is not None:
+        sim.batched._ensure_store().page_out([sim.batched._ensure_store().row[c.data.client]])
+
+
 def node_flag(node_config: Any, key: str) -> bool:
     """A boolean node-config entry (``true``/``1``/``yes``, or a bool)."""
     value = node_config.get(key, False)
@@ -552,6 +564,9 @@ def _run(
     # one file per (experiment, partition): a different experiment on this node starts afresh
     tag = hashlib.sha256(config_key(cfg).encode()).hexdigest()[:12]
     state_file = Path(state_dir) / f"protofl-client-{pid}-{tag}.pt" if state_dir else None
+    # run.client_state=disk: the state file is the client's only saved state (its Context holds
+    # none), so a process simulating many nodes keeps no client's state between messages
+    in_context = not (cfg.run.client_state == "disk" and state_file is not None)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.run.threads or 1)
     try:
@@ -562,6 +577,7 @@ def _run(
             saved = load_state_bytes(saved_bytes)
         elif state_file is not None and (read := _read_node_state(state_file)) is not None:
             saved, saved_bytes = read
+        known = saved is not None
         if saved is None:
             saved = fresh_client_state(sim, runtime.initial[pid], mode)
         elif saved.get("noise_key", mode) != mode:
@@ -588,7 +604,7 @@ def _run(
                 f"client {c.data.name!r} (partition {pid}), round {rnd}, {phase}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        if phase == "evaluate" and "weights" not in msg.content and STATE_KEY in context.state:
+        if phase == "evaluate" and "weights" not in msg.content and known:
             # evaluation changes no client state (the simulator's federation.eval_every rests
             # on it too): with no averaged weights to adopt, the saved state stays as it is
             return Message(content=content, reply_to=msg)
@@ -600,10 +616,12 @@ def _run(
         elif not again:  # the state after the release changes now: keep it as it was saved
             cache = keep_state_after_release(cache, saved_bytes)
         state["release_cache"] = cache or None
-        context.state[STATE_KEY] = pack_state(state)
+        if in_context:
+            context.state[STATE_KEY] = pack_state(state)
         if state_file is not None:
             save_node_state(state_file, state)
     finally:
+        unload_client(sim, c)
         torch.set_num_threads(threads)
     return Message(content=content, reply_to=msg)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ def run_flower_simulation(
     from protofl.engine.runner import make_run_dir, start_run_dir
 
     _check_backend(backend, silent_nodes)
+    _check_cluster_state(config, ray_address)
     run_dir = None
     if out is not None:
         preflight(config)  # a bad name, option or data root fails before any folder exists
@@ -95,6 +97,7 @@ def resume_flower_simulation(
     _check_backend(backend, silent_nodes)
     run_dir = Path(run_dir)
     config = read_run_config(run_dir)
+    _check_cluster_state(config, ray_address)
     check_resume(run_dir, config, engine="flower")  # an edited config.yaml is refused
     if extend:
         check_extend_rounds(extend)
@@ -121,6 +124,17 @@ def _check_backend(backend: str, silent_nodes: tuple[int, ...]) -> None:
         raise ValueError("silent_nodes is only supported by the inline backend")
 
 
+def _check_cluster_state(config: ExperimentConfig, ray_address: str | None) -> None:
+    """``run.client_state=disk`` keeps each simulated node's state in a file on this machine
+    only (no copy in Flower's Context): the workers of a Ray cluster may not see it."""
+    if ray_address and config.run.client_state == "disk":
+        raise ValueError(
+            "run.client_state=disk keeps each simulated node's client state in files on this "
+            "machine, which the workers of a Ray cluster (ray_address) may not share; use "
+            "run.client_state=memory there"
+        )
+
+
 def _simulate(
     config: ExperimentConfig,
     *,
@@ -141,6 +155,13 @@ def _simulate(
 
     home = Path(home) if home is not None else protofl_home()
     threads = torch.get_num_threads()
+    # the simulated nodes' client state: under the run folder; with run.client_state=disk and
+    # no run folder, in a temporary folder removed with the run (the nodes' only copy of it)
+    scratch = None
+    state_root = None if run_dir is None else run_dir / "nodes"
+    if state_root is None and config.run.client_state == "disk":
+        scratch = tempfile.TemporaryDirectory(prefix="protofl-flower-nodes-")
+        state_root = Path(scratch.name)
     try:
         # build (and disk-cache) the data once here: it tells how many SuperNodes to start
         num_clients = len(build_federated_data(config, home).clients)
@@ -149,7 +170,7 @@ def _simulate(
             config,
             home,
             deployment=False,
-            state_root=None if run_dir is None else run_dir / "nodes",
+            state_root=state_root,
             release_limit=None if run_dir is None else target_rounds(run_dir, config),
         )
         if backend == "inline":
@@ -204,6 +225,8 @@ def _simulate(
         return FlowerRunResult(outcome.run_dir, outcome.summary, outcome.history)
     finally:
         torch.set_num_threads(threads)
+        if scratch is not None:
+            scratch.cleanup()
 
 
 # ----- CLI glue (the lead wires these into protofl.cli) ---------------------------------------
