@@ -10,6 +10,7 @@ per-round accuracies agree; the ratio of their mean round times is the Flower en
 overhead.  Prints one JSON line.
 
 Usage: python benchmarks/bench_flower.py [--clients 100] [--rounds 5] [--set KEY=VALUE ...]
+       python benchmarks/bench_flower.py --scale m10000 --rounds 5   # 10,000 clients
 """
 
 from __future__ import annotations
@@ -27,23 +28,31 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 
-def config(clients: int, rounds: int, extra: list[str]) -> Any:
-    from bench_m1000 import M1000_OVERRIDES
+def config(clients: int, rounds: int, extra: list[str], scale: str | None = None) -> Any:
+    """``bench_m1000.py``'s configuration at ``clients`` clients, sequential; with ``scale``
+    (``m10000``) that benchmark's own configuration (batched, state on disk) instead."""
+    from bench_m1000 import M1000_OVERRIDES, SCALES
 
     from protofl.config import ExperimentConfig
 
-    dropped = ("data.clients_per_domain", "federation.rounds", "federation.execution")
-    overrides = [o for o in M1000_OVERRIDES if not o.startswith(dropped)]
-    overrides += [
-        f"data.clients_per_domain={clients // 4}",
-        f"federation.rounds={rounds}",
-        "federation.execution=sequential",
-        *extra,
-    ]
+    if scale is not None:
+        overrides = [o for o in SCALES[scale] if not o.startswith("federation.rounds")]
+        overrides += [f"federation.rounds={rounds}", *extra]
+    else:
+        dropped = ("data.clients_per_domain", "federation.rounds", "federation.execution")
+        overrides = [o for o in M1000_OVERRIDES if not o.startswith(dropped)]
+        overrides += [
+            f"data.clients_per_domain={clients // 4}",
+            f"federation.rounds={rounds}",
+            "federation.execution=sequential",
+            *extra,
+        ]
     return ExperimentConfig.from_dict({"name": "bench-flower"}).with_overrides(overrides)
 
 
-def one(engine: str, clients: int, rounds: int, extra: list[str]) -> dict[str, Any]:
+def one(
+    engine: str, clients: int, rounds: int, extra: list[str], scale: str | None = None
+) -> dict[str, Any]:
     """One run of ``engine`` (``flower`` or ``sim``) in this process."""
     import torch
     from bench_m1000 import peak_rss_gb
@@ -53,8 +62,9 @@ def one(engine: str, clients: int, rounds: int, extra: list[str]) -> dict[str, A
     from protofl.engine.simulation import Simulation
 
     torch.set_num_threads(1)
-    cfg = config(clients, rounds, extra)
-    build_federated_data(cfg, protofl_home())  # features cached before the clock starts
+    cfg = config(clients, rounds, extra, scale)
+    # features cached before the clock starts
+    clients = len(build_federated_data(cfg, protofl_home()).clients)
     t0 = time.perf_counter()
     if engine == "flower":
         from protofl.engine.flower.run import run_flower_simulation
@@ -64,6 +74,7 @@ def one(engine: str, clients: int, rounds: int, extra: list[str]) -> dict[str, A
         history = Simulation(cfg, build_federated_data(cfg, protofl_home())).run()
     return {
         "engine": engine,
+        "clients": clients,
         "wall_s": time.perf_counter() - t0,
         "rounds_s": [m.wall_s for m in history],
         "avg_acc": [m.avg_acc for m in history],
@@ -76,15 +87,23 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--scale",
+        choices=("m10000",),
+        help="bench_m1000.py --scale's configuration instead (10,000 clients, 10%% "
+        "participation, evaluation every 5th round on a subsample, run.client_state=disk; "
+        "--clients is ignored)",
+    )
     parser.add_argument("--engine", choices=("flower", "sim"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:  # a child: one run
-        print(json.dumps(one(args.engine, args.clients, args.rounds, args.set)))
+        print(json.dumps(one(args.engine, args.clients, args.rounds, args.set, args.scale)))
         return
     runs: dict[str, dict[str, Any]] = {}
     for engine in ("flower", "sim"):
         cmd = [sys.executable, __file__, "--engine", engine, "--clients", str(args.clients)]
         cmd += ["--rounds", str(args.rounds), *(a for s in args.set for a in ("--set", s))]
+        cmd += ["--scale", args.scale] if args.scale else []
         out = subprocess.run(cmd, check=True, capture_output=True, text=True)
         runs[engine] = json.loads(out.stdout.strip().splitlines()[-1])
     flower, sim = runs["flower"], runs["sim"]
@@ -92,7 +111,8 @@ def main() -> None:
         raise SystemExit(f"the engines disagree: {flower['avg_acc']} != {sim['avg_acc']}")
     round_f, round_s = statistics.mean(flower["rounds_s"]), statistics.mean(sim["rounds_s"])
     result = {
-        "clients": args.clients,
+        "clients": sim["clients"],
+        "scale": args.scale,
         "rounds": args.rounds,
         "flower": flower,
         "sim": sim,

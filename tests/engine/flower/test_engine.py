@@ -430,6 +430,8 @@ def test_the_state_after_a_release_is_kept_once_as_the_bytes_it_was_saved_as(
         before = ctx.state.get(STATE_KEY)
         before_bytes = None if before is None else packed_bytes(before)  # type: ignore[arg-type]
         reply = app(msg, ctx)
+        if STATE_KEY not in ctx.state:  # hello saves no derived state
+            return reply
         cache = unpack_state(ctx.state[STATE_KEY])["release_cache"]  # type: ignore[arg-type]
         if ctx.node_config["partition-id"] == 0 and cache and ctx.state[STATE_KEY] is not before:
             after = cache["after"]
@@ -462,6 +464,20 @@ def owns_its_storage(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
+def _resident_bytes_under(folder: Path | None) -> int:
+    """Resident bytes of this process's mappings of files under ``folder`` (Linux smaps)."""
+    assert folder is not None
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+            inside = len(head) >= 6 and head[5].startswith(str(folder))
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/smaps")
 def test_a_disk_backed_runtime_keeps_one_copy_of_the_clients_equal_initial_values(
     tmp_path: Path,
 ) -> None:
@@ -472,13 +488,23 @@ def test_a_disk_backed_runtime_keeps_one_copy_of_the_clients_equal_initial_value
     from protofl.engine.flower.client_app import get_runtime
 
     config = tiny_config("fedproto", "vpdr", clients_per_domain=3).with_overrides(
-        ["federation.execution=batched", "run.client_state=disk", "privacy.dcr=true"]
+        [
+            "federation.execution=batched",
+            "run.client_state=disk",
+            "privacy.dcr=true",
+            "backbone.adapter_hidden=64",  # 64 KB a client's adapter row: whole pages
+        ]
     )
     rt = get_runtime(config, tmp_path)
     assert len(rt.initial) == 6
     for pid, state in rt.initial.items():
         for path, t in tensors(state):
             assert owns_its_storage(t), f"partition {pid}: {path} views a larger storage"
+    # reading the initial values faulted every client's rows into the resident set (6
+    # clients' worth); they are paged out (what stays: pages shared by small rows)
+    one_client = sum(p.numel() * 4 for p in rt.sim.clients[0].model.parameters() if p.requires_grad)
+    assert one_client > 100_000
+    assert _resident_bytes_under(rt.sim.state_dir) < 1.5 * one_client
     first = dict(tensors({k: rt.initial[0][k] for k in ("model", "dcr")}))
     assert first and all(t.numel() > 0 for t in first.values())
     for pid in range(1, 6):
@@ -500,6 +526,8 @@ def test_a_batched_flower_client_saves_its_own_rows_only(tmp_path: Path) -> None
 
     def client(msg: Message, ctx: Context) -> Message:
         reply = app(msg, ctx)
+        if STATE_KEY not in ctx.state:  # hello saves no derived state
+            return reply
         state = unpack_state(ctx.state[STATE_KEY])  # type: ignore[arg-type]
         for path, t in tensors({k: v for k, v in state.items() if k != "release_cache"}):
             if not owns_its_storage(t):
@@ -535,6 +563,7 @@ def test_a_flower_process_keeps_no_client_state_between_messages_beyond_what_it_
     nodes = tmp_path / "nodes"
     app = make_client_app(config, home, state_root=nodes)
     kept: list[str] = []
+    trains: list[bool] = []
 
     def client(msg: Message, ctx: Context) -> Message:
         reply = app(msg, ctx)
@@ -543,7 +572,9 @@ def test_a_flower_process_keeps_no_client_state_between_messages_beyond_what_it_
             if c.optimizer.state or c.state.tensors:
                 kept.append(f"{msg.metadata.message_type}: {c.data.name}")
         in_context = STATE_KEY in ctx.state
-        if in_context != (client_state == "memory"):
+        trained = msg.metadata.message_type == "train"
+        trains.append(trained)
+        if in_context if client_state == "disk" else trained and not in_context:
             kept.append(f"{msg.metadata.message_type}: context holds state: {in_context}")
         return reply
 
@@ -552,8 +583,47 @@ def test_a_flower_process_keeps_no_client_state_between_messages_beyond_what_it_
         assert a["client_acc"] == b["client_acc"] and a["participants"] == b["participants"]
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
         assert a["privacy"]["epsilon_spent"] == b["privacy"]["epsilon_spent"]
-    assert kept == []
+    assert kept == [] and sum(trains) == 4 * 3
     assert len(list(nodes.glob("partition-*/protofl-client-*.pt"))) == 4
+
+
+def test_a_client_that_never_trains_writes_no_state_unless_it_drew_a_noise_key(
+    tmp_path: Path,
+) -> None:
+    """``hello`` and an evaluation without weights change no client state: in a cross-device
+    run (derived noise keys) a client never selected writes no state (no Context entry, no
+    state file), and the run equals the simulator's.  A deployed client's first message saves
+    the secret noise key it drew (the next message must not draw another)."""
+    from protofl.engine.flower.client_app import get_runtime
+
+    config = tiny_config("fedproto", "vpdr", rounds=2, clients_per_domain=4).with_overrides(
+        ["federation.participation=0.25"]
+    )
+    home = tmp_path / "home"
+    ref = Simulation(config, build_federated_data(config, home)).run()
+    nodes = tmp_path / "nodes"
+    grid = InlineGrid(make_client_app(config, home, state_root=nodes), 8)
+    got = _serve(grid, config, diagnostics=True, min_nodes=8).history
+    assert comparable(got) == comparable(ref)
+    names = [c.data.name for c in get_runtime(config, home).sim.clients]
+    trained = {names.index(n) for m in got for n in m.participants}
+    assert 0 < len(trained) < 8
+    in_context = {nid - 1000 for nid, ctx in grid.contexts.items() if STATE_KEY in ctx.state}
+    in_files = {int(p.parent.name.split("-")[1]) for p in nodes.glob("partition-*/*.pt")}
+    assert in_context == in_files == trained
+
+    secret = tiny_config("fedproto", "igpp", rounds=1)
+    app = make_client_app(secret, home, deployment=True)
+    keys: list[Any] = []
+
+    def client(msg: Message, ctx: Context) -> Message:
+        reply = app(msg, ctx)
+        if msg.metadata.message_type.endswith("hello"):
+            keys.append(unpack_state(ctx.state[STATE_KEY])["noise_key"])  # type: ignore[arg-type]
+        return reply
+
+    outcome = _serve(InlineGrid(client, 2), secret)
+    assert keys == ["secret", "secret"] and not outcome.history[0].rejected
 
 
 def test_a_disk_backed_flower_run_resumes_from_its_node_files_to_the_same_numbers(

@@ -149,6 +149,7 @@ def get_runtime(config: ExperimentConfig, home: Path | None = None) -> ClientRun
             for c in sim.clients:
                 state = copy.deepcopy(own_storage(client_state(sim, c)))
                 initial[c.data.client] = _share_equal(state, shared)
+                unload_client(sim, c)  # with run.client_state=disk: rows read leave RSS
             runtime = ClientRuntime(config=config, sim=sim, initial=initial)
             _RUNTIMES.clear()  # one experiment per process at a time; free the last one
             _RUNTIMES[key] = runtime
@@ -604,9 +605,13 @@ def _run(
                 f"client {c.data.name!r} (partition {pid}), round {rnd}, {phase}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        if phase == "evaluate" and "weights" not in msg.content and known:
-            # evaluation changes no client state (the simulator's federation.eval_every rests
-            # on it too): with no averaged weights to adopt, the saved state stays as it is
+        # hello and an evaluation without averaged weights to adopt change no client state
+        # (the simulator's federation.eval_every rests on it too): a saved state stays as it
+        # is, and a fresh one is saved only if it holds a noise key drawn here (secret; a
+        # derived state is rebuilt from the config by the next message: a cross-device
+        # federation's clients that never train never write a state)
+        unchanged = phase == "hello" or (phase == "evaluate" and "weights" not in msg.content)
+        if unchanged and (known or mode == "derived"):
             return Message(content=content, reply_to=msg)
         # serialised below, before anything changes the client again: no copies, but of rows
         # of a batched store (own_storage)
