@@ -30,6 +30,8 @@ the engine trains.  Sections:
 * ``flower``: the Flower engine (ServerApp and ClientApps over the in-process grid) against the
   in-process sequential engine at M = 100, 5 rounds (``bench_flower.py``, each in its own
   process; ``flower_over_sim_round``: its mean round over the in-process one);
+  ``flower_m10000`` (not with ``--quick``): the same at 10,000 clients with the clients' state
+  on disk, 2 rounds (``bench_flower.py --scale m10000``);
 * ``fused``: a fused sweep of 3 seeds x 2 mechanisms against its 6 runs one by one and against
   one run (``bench_fused.py``, in its own process; ``fused_over_one_run``, target within 2x);
   ``fused_vpdr``: the same under VPDR's protocol (``bench_fused.py --preset vpdr``: a frozen
@@ -536,9 +538,10 @@ def m1000(rounds: int, scale: str = "m1000", *overrides: str) -> dict[str, Any]:
     return result
 
 
-def flower(clients: int, rounds: int) -> dict[str, Any]:
-    """bench_flower.py: the Flower engine against the in-process one (their own processes)."""
-    cmd = [sys.executable, str(HERE / "bench_flower.py"), "--clients", str(clients)]
+def flower(clients: int, rounds: int, *scale: str) -> dict[str, Any]:
+    """bench_flower.py: the Flower engine against the in-process one (their own processes);
+    ``scale``: e.g. ``"--scale", "m10000"`` (then ``clients`` is ignored)."""
+    cmd = [sys.executable, str(HERE / "bench_flower.py"), "--clients", str(clients), *scale]
     out = subprocess.run(
         [*cmd, "--rounds", str(rounds)], check=True, capture_output=True, text=True
     )
@@ -604,6 +607,8 @@ def main() -> None:
     )
     results["m10000"] = step("m10000", lambda: m1000(rounds, "m10000"))
     results["flower"] = step("flower", lambda: flower(100, 3 if args.quick else 5))
+    if not args.quick:  # ~8 minutes: 10,000 clients on Flower, state on disk, 2 rounds
+        results["flower_m10000"] = step("flower m10000", lambda: flower(0, 2, "--scale", "m10000"))
     results["fused"] = step(
         "fused sweep", lambda: fused(3 if args.quick else 5, 1 if args.quick else 2)
     )
@@ -646,6 +651,17 @@ def main() -> None:
             # the Flower engine's mean round over the in-process engine's, M = 100
             "flower_over_sim_round": results["flower"]["flower_over_sim_round"],
             "flower_peak_rss_gb": results["flower"]["flower"]["peak_rss_gb"],
+            # ... at 10,000 clients with run.client_state=disk (not with --quick)
+            **(
+                {
+                    "flower_m10000_over_sim_round": results["flower_m10000"][
+                        "flower_over_sim_round"
+                    ],
+                    "flower_m10000_peak_rss_gb": results["flower_m10000"]["flower"]["peak_rss_gb"],
+                }
+                if "flower_m10000" in results
+                else {}
+            ),
             # a fused 3 seeds x 2 mechanisms sweep over one run's wall time (target: 2x)
             "fused_over_one_run": results["fused"]["fused_over_one_run"],
             # the same as whole commands: protofl sweep (fused) over protofl run
@@ -754,6 +770,14 @@ def print_table(r: dict[str, Any]) -> None:
         f"(x{fl['flower_over_sim_round']:.2f}), peak RSS {fl['flower']['peak_rss_gb']:.2f} GB "
         f"against {fl['sim']['peak_rss_gb']:.2f} GB, final avg acc {fl['final_acc']:.3f}"
     )
+    if "flower_m10000" in r:
+        fx = r["flower_m10000"]
+        print(
+            f"Flower engine at {fx['clients']} clients, {fx['rounds']} rounds, state on disk: "
+            f"round {fx['flower_round_s']:.0f} s against {fx['sim_round_s']:.0f} s in process "
+            f"(x{fx['flower_over_sim_round']:.2f}), peak RSS "
+            f"{fx['flower']['peak_rss_gb']:.2f} GB against {fx['sim']['peak_rss_gb']:.2f} GB"
+        )
     f = r["fused"]
     print(
         f"\nsweep of 3 seeds x 2 mechanisms, {f['jobs']} jobs: one run {f['one_run_s']} s, "
