@@ -513,6 +513,15 @@ def test_a_disk_backed_runtime_keeps_one_copy_of_the_clients_equal_initial_value
             assert torch.equal(t, other[path]) and other[path] is t, (pid, path)
 
 
+def assert_equal_to_batched(got: list[RoundMetrics], ref: list[RoundMetrics]) -> None:
+    """Flower against a batched simulator run, equal to float rounding: a Flower process trains
+    its clients one message at a time, the simulator all of them in one batched group."""
+    for a, b in zip(comparable(got), comparable(ref), strict=True):
+        assert a["client_acc"] == b["client_acc"] and a["participants"] == b["participants"]
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
+        assert a["privacy"]["epsilon_spent"] == b["privacy"]["epsilon_spent"]
+
+
 def test_a_batched_flower_client_saves_its_own_rows_only(tmp_path: Path) -> None:
     """With batched execution a client's parameters, moments and DCR teacher are rows of the
     process's stacked store; its saved state holds its own rows (``torch.save`` would write
@@ -535,12 +544,7 @@ def test_a_batched_flower_client_saves_its_own_rows_only(tmp_path: Path) -> None
         return reply
 
     got = _serve(InlineGrid(client, 4), config, diagnostics=True, min_nodes=4).history
-    # equal to float rounding: a Flower process trains its clients one message at a time, the
-    # simulator all four in one batched group
-    for a, b in zip(comparable(got), comparable(ref), strict=True):
-        assert a["client_acc"] == b["client_acc"] and a["participants"] == b["participants"]
-        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
-        assert a["privacy"]["epsilon_spent"] == b["privacy"]["epsilon_spent"]
+    assert_equal_to_batched(got, ref)
     assert shared == []
 
 
@@ -548,11 +552,11 @@ def test_a_batched_flower_client_saves_its_own_rows_only(tmp_path: Path) -> None
 def test_a_flower_process_keeps_no_client_state_between_messages_beyond_what_it_saves(
     client_state: str, tmp_path: Path
 ) -> None:
-    """After each message a client's optimiser moments and method state leave the process's
-    simulator skeleton (every message loads them from the saved state: a second copy, kept for
-    every client the process served).  With ``run.client_state=disk`` the node's state file is
-    the only saved state (its Context holds none, so a process simulating many nodes holds
-    none of them), and the run still equals the simulator's."""
+    """After each message a client's optimiser moments, method state and last gradients leave
+    the process's simulator skeleton (every message loads the first two from the saved state:
+    a second copy, kept for every client the process served).  With ``run.client_state=disk``
+    the node's state file is the only saved state (its Context holds none, so a process
+    simulating many nodes holds none of them), and the run still equals the simulator's."""
     from protofl.engine.flower.client_app import get_runtime
 
     config = tiny_config("fedproto", "vpdr", clients_per_domain=2).with_overrides(
@@ -569,7 +573,8 @@ def test_a_flower_process_keeps_no_client_state_between_messages_beyond_what_it_
         reply = app(msg, ctx)
         sim = get_runtime(config, home).sim
         for c in sim.clients:
-            if c.optimizer.state or c.state.tensors:
+            grads = any(p.grad is not None for p in c.model.parameters())
+            if c.optimizer.state or c.state.tensors or grads:
                 kept.append(f"{msg.metadata.message_type}: {c.data.name}")
         in_context = STATE_KEY in ctx.state
         trained = msg.metadata.message_type == "train"
@@ -579,10 +584,7 @@ def test_a_flower_process_keeps_no_client_state_between_messages_beyond_what_it_
         return reply
 
     got = _serve(InlineGrid(client, 4), config, diagnostics=True, min_nodes=4).history
-    for a, b in zip(comparable(got), comparable(ref), strict=True):
-        assert a["client_acc"] == b["client_acc"] and a["participants"] == b["participants"]
-        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
-        assert a["privacy"]["epsilon_spent"] == b["privacy"]["epsilon_spent"]
+    assert_equal_to_batched(got, ref)
     assert kept == [] and sum(trains) == 4 * 3
     assert len(list(nodes.glob("partition-*/protofl-client-*.pt"))) == 4
 
@@ -593,7 +595,8 @@ def test_a_client_that_never_trains_writes_no_state_unless_it_drew_a_noise_key(
     """``hello`` and an evaluation without weights change no client state: in a cross-device
     run (derived noise keys) a client never selected writes no state (no Context entry, no
     state file), and the run equals the simulator's.  A deployed client's first message saves
-    the secret noise key it drew (the next message must not draw another)."""
+    the secret noise key it drew (the next message must not draw another), in its Context as
+    well as in its state-dir, with ``run.client_state=disk`` too."""
     from protofl.engine.flower.client_app import get_runtime
 
     config = tiny_config("fedproto", "vpdr", rounds=2, clients_per_domain=4).with_overrides(
@@ -612,7 +615,10 @@ def test_a_client_that_never_trains_writes_no_state_unless_it_drew_a_noise_key(
     in_files = {int(p.parent.name.split("-")[1]) for p in nodes.glob("partition-*/*.pt")}
     assert in_context == in_files == trained
 
-    secret = tiny_config("fedproto", "igpp", rounds=1)
+    # deployed, with the state on disk and in a state-dir: the Context keeps its copy too
+    secret = tiny_config("fedproto", "igpp", rounds=1).with_overrides(
+        ["federation.execution=batched", "run.client_state=disk"]
+    )
     app = make_client_app(secret, home, deployment=True)
     keys: list[Any] = []
 
@@ -622,8 +628,12 @@ def test_a_client_that_never_trains_writes_no_state_unless_it_drew_a_noise_key(
             keys.append(unpack_state(ctx.state[STATE_KEY])["noise_key"])  # type: ignore[arg-type]
         return reply
 
-    outcome = _serve(InlineGrid(client, 2), secret)
+    grid = InlineGrid(client, 2)
+    for ctx in grid.contexts.values():
+        ctx.node_config["state-dir"] = str(tmp_path / f"node-{ctx.node_id}")
+    outcome = _serve(grid, secret)
     assert keys == ["secret", "secret"] and not outcome.history[0].rejected
+    assert all(list((tmp_path / f"node-{n}").glob("*.pt")) for n in grid.contexts)
 
 
 def test_a_disk_backed_flower_run_resumes_from_its_node_files_to_the_same_numbers(
@@ -635,7 +645,6 @@ def test_a_disk_backed_flower_run_resumes_from_its_node_files_to_the_same_number
     numbers of the run that never stopped."""
     import tempfile
 
-    import protofl.engine.checkpoint as checkpoint
     from protofl.engine.flower.run import resume_flower_simulation
 
     config = tiny_config("fedproto", "vpdr", rounds=3).with_overrides(
@@ -646,21 +655,7 @@ def test_a_disk_backed_flower_run_resumes_from_its_node_files_to_the_same_number
     (tmp_path / "tmp").mkdir()
     reference = run_flower_simulation(config, home=home, backend="inline")
     assert not list((tmp_path / "tmp").glob("protofl-flower-nodes-*"))
-    real = checkpoint.save_checkpoint
-
-    class Stopped(Exception):
-        pass
-
-    def stop_at_round_2(run_dir: Path, rnd: int, state: dict[str, Any]) -> Path:
-        if rnd == 2:
-            raise Stopped
-        return real(run_dir, rnd, state)
-
-    monkeypatch.setattr(checkpoint, "save_checkpoint", stop_at_round_2)
-    with pytest.raises(Stopped):
-        run_flower_simulation(config, home=home, backend="inline", out=tmp_path / "runs")
-    monkeypatch.setattr(checkpoint, "save_checkpoint", real)
-    (run_dir,) = (tmp_path / "runs").iterdir()
+    run_dir = _stopped_before_checkpoint_2(config, home, tmp_path / "runs", monkeypatch)
     assert _node_ledger_rounds(run_dir) == {"partition-0": [0, 1], "partition-1": [0, 1]}
     resumed = resume_flower_simulation(run_dir, home=home, backend="inline")
     for a, b in zip(comparable(resumed.history), comparable(reference.history), strict=True):
@@ -1138,6 +1133,31 @@ def _node_ledger_rounds(run_dir: Path) -> dict[str, list[int]]:
     return out
 
 
+def _stopped_before_checkpoint_2(
+    config: Any, home: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """A Flower run of ``config`` (inline) whose server stops after its clients finished round
+    2 but before its checkpoint of round 2 (the clients are a round ahead); its run folder."""
+    import protofl.engine.checkpoint as checkpoint
+
+    real = checkpoint.save_checkpoint
+
+    class Stopped(Exception):
+        pass
+
+    def stop_at_round_2(run_dir: Path, rnd: int, state: dict[str, Any]) -> Path:
+        if rnd == 2:
+            raise Stopped
+        return real(run_dir, rnd, state)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", stop_at_round_2)
+    with pytest.raises(Stopped):
+        run_flower_simulation(config, home=home, backend="inline", out=out)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", real)
+    (run_dir,) = out.iterdir()
+    return run_dir
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """fedproto + vpdr, 3 rounds, with a run folder: the reference for the resume tests."""
@@ -1153,26 +1173,11 @@ def test_a_flower_run_stopped_mid_round_resumes_to_the_same_numbers(
     2 (the clients are a round ahead): the resumed server asks for round 2 again, each client
     sends the release it made (nothing charged or drawn twice) and the run ends as if it had
     never stopped."""
-    import protofl.engine.checkpoint as checkpoint
     from protofl.engine.flower.run import resume_flower_simulation
 
     reference, home = uninterrupted
     config = tiny_config("fedproto", "vpdr", rounds=3)
-    real = checkpoint.save_checkpoint
-
-    class Stopped(Exception):
-        pass
-
-    def stop_at_round_2(run_dir: Path, rnd: int, state: dict[str, Any]) -> Path:
-        if rnd == 2:
-            raise Stopped
-        return real(run_dir, rnd, state)
-
-    monkeypatch.setattr(checkpoint, "save_checkpoint", stop_at_round_2)
-    with pytest.raises(Stopped):
-        run_flower_simulation(config, home=home, backend="inline", out=tmp_path / "runs")
-    monkeypatch.setattr(checkpoint, "save_checkpoint", real)
-    (run_dir,) = (tmp_path / "runs").iterdir()
+    run_dir = _stopped_before_checkpoint_2(config, home, tmp_path / "runs", monkeypatch)
     assert not (run_dir / "summary.json").exists()
     assert _node_ledger_rounds(run_dir) == {"partition-0": [0, 1], "partition-1": [0, 1]}
 

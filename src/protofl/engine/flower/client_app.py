@@ -277,9 +277,11 @@ def unload_client(sim: Simulation, c: Client) -> None:
     """Drop what ``c`` holds in the process's simulator skeleton beyond its model: optimiser
     moments and method state, which every message loads afresh from the client's saved state
     (:func:`load_client_state`), so they would only be a second copy, kept for every client the
-    process ever served.  With ``run.client_state=disk`` its rows of the mapped store leave the
-    resident set as well."""
+    process ever served, and the gradients of its last step (every step zeroes them first).
+    With ``run.client_state=disk`` its rows of the mapped store leave the resident set as
+    well."""
     c.optimizer.state.clear()
+    c.optimizer.zero_grad(set_to_none=True)
     c.state.tensors = {}
     if sim.state_dir is not None and sim.batched is not None:
         sim.batched._ensure_store().page_out([sim.batched._ensure_store().row[c.data.client]])
@@ -565,9 +567,11 @@ def _run(
     # one file per (experiment, partition): a different experiment on this node starts afresh
     tag = hashlib.sha256(config_key(cfg).encode()).hexdigest()[:12]
     state_file = Path(state_dir) / f"protofl-client-{pid}-{tag}.pt" if state_dir else None
-    # run.client_state=disk: the state file is the client's only saved state (its Context holds
-    # none), so a process simulating many nodes keeps no client's state between messages
-    in_context = not (cfg.run.client_state == "disk" and state_file is not None)
+    # run.client_state=disk in protofl's simulation: the state file is the client's only saved
+    # state (its Context holds none), so a process simulating many nodes keeps no client's
+    # state between messages; a deployed node (one client) keeps both, as a lost file must
+    # not restart its ledger and noise stream
+    in_context = deployment or not (cfg.run.client_state == "disk" and state_file is not None)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.run.threads or 1)
     try:
