@@ -619,11 +619,12 @@ class Simulation:
         if self.state_dir is not None and self.batched is not None:
             self.batched._ensure_store().adopt_state_all(clients)
 
-    def page_out(self) -> None:
-        """With ``run.client_state=disk``: drop every client's state from the resident set (it
-        stays in the mapped files); a no-op otherwise."""
+    def page_out(self, clients: Sequence[Client] | None = None) -> None:
+        """With ``run.client_state=disk``: drop ``clients``' state (default: every client's)
+        from the resident set (it stays in the mapped files); a no-op otherwise."""
         if self.state_dir is not None and self.batched is not None:
-            self.batched._ensure_store().page_out()
+            store = self.batched._ensure_store()
+            store.page_out(None if clients is None else [store.row[c.data.client] for c in clients])
 
     def missing_classes(self, accepted: list[Upload]) -> list[int]:
         """Classes no accepted upload carries this round (reported, never invented)."""

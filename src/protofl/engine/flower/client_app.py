@@ -283,8 +283,7 @@ def unload_client(sim: Simulation, c: Client) -> None:
     c.optimizer.state.clear()
     c.optimizer.zero_grad(set_to_none=True)
     c.state.tensors = {}
-    if sim.state_dir is not None and sim.batched is not None:
-        sim.batched._ensure_store().page_out([sim.batched._ensure_store().row[c.data.client]])
+    sim.page_out([c])
 
 
 def node_flag(node_config: Any, key: str) -> bool:
