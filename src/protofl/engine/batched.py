@@ -1847,13 +1847,16 @@ class BatchedTrainer:
         idx = torch.tensor(rows, device=next(iter(store.values())).device)
         return {n: t.index_select(0, idx) for n, t in store.items()}
 
-    def evaluate(self, sample: bool = False) -> dict[str, float]:
+    def evaluate(
+        self, sample: bool = False, clients: Sequence[Client] | None = None
+    ) -> dict[str, float]:
         """:meth:`Simulation.evaluate` (every client's accuracy on its domain's test set, or on
-        its fixed subsample), with the clients that share a test set predicted together (see
-        :meth:`predict_many`)."""
+        its fixed subsample; ``clients``: theirs only), with the clients that share a test set
+        predicted together (see :meth:`predict_many`)."""
         sim = self.sim
+        clients = sim.clients if clients is None else clients
         groups: dict[int, list[Client]] = {}
-        for c in sim.clients:
+        for c in clients:
             c.model.eval()
             groups.setdefault(id(c.data.test_z), []).append(c)
         acc: dict[str, float] = {}
@@ -1867,17 +1870,18 @@ class BatchedTrainer:
             correct = (pred == y.unsqueeze(0)).sum(dim=1).tolist()
             for c, n_ok in zip(members, correct):
                 acc[c.data.name] = n_ok / len(y)
-        return {c.data.name: acc[c.data.name] for c in sim.clients}
+        return {c.data.name: acc[c.data.name] for c in clients}
 
-    def evaluate_holdout(self) -> float | None:
-        """:meth:`Simulation.evaluate_holdout` (mean accuracy of all clients on the held-out
-        domain), batched."""
+    def evaluate_holdout(self, clients: Sequence[Client] | None = None) -> float | None:
+        """:meth:`Simulation.evaluate_holdout` (mean accuracy of all clients, or of
+        ``clients``, on the held-out domain), batched."""
         sim = self.sim
         if sim.data.holdout is None:
             return None
         _, z, y = sim.data.holdout
-        for c in sim.clients:
+        clients = sim.clients if clients is None else clients
+        for c in clients:
             c.model.eval()
-        pred = self.predict_many(sim.clients, z)
+        pred = self.predict_many(clients, z)
         accs = ((pred == y.unsqueeze(0)).sum(dim=1).double() / max(len(y), 1)).tolist()
         return float(sum(accs) / len(accs))

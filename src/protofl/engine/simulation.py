@@ -531,14 +531,19 @@ class Simulation:
         return self._eval_sets[key]
 
     @torch.no_grad()
-    def evaluate(self, sample: bool = False) -> dict[str, float]:
-        """Accuracy of every client on its own domain's test set (fractions); ``sample``: on
-        the set's fixed subsample (:meth:`test_set`)."""
+    def evaluate(
+        self, sample: bool = False, clients: Sequence[Client] | None = None
+    ) -> dict[str, float]:
+        """Accuracy of every client (or of ``clients``: a Flower client evaluates itself) on
+        its own domain's test set (fractions); ``sample``: on the set's fixed subsample
+        (:meth:`test_set`)."""
         trainer = self.batched_trainer()
         if trainer is not None:
-            return trainer.evaluate(sample)  # type: ignore[no-any-return]
+            if clients is None:  # a fused run's trainer evaluates its run's clients only
+                return trainer.evaluate(sample)  # type: ignore[no-any-return]
+            return trainer.evaluate(sample, clients)  # type: ignore[no-any-return]
         out: dict[str, float] = {}
-        for c in self.clients:
+        for c in self.clients if clients is None else clients:
             c.model.eval()
             test_z, test_y = self.test_set(c, sample)
             correct = 0
@@ -552,16 +557,19 @@ class Simulation:
         return out
 
     @torch.no_grad()
-    def evaluate_holdout(self) -> float | None:
-        """Mean accuracy of all clients on the held-out domain (leave-one-domain-out)."""
+    def evaluate_holdout(self, clients: Sequence[Client] | None = None) -> float | None:
+        """Mean accuracy of all clients (or of ``clients``) on the held-out domain
+        (leave-one-domain-out)."""
         if self.data.holdout is None:
             return None
         trainer = self.batched_trainer()
         if trainer is not None:
-            return trainer.evaluate_holdout()  # type: ignore[no-any-return]
+            if clients is None:
+                return trainer.evaluate_holdout()  # type: ignore[no-any-return]
+            return trainer.evaluate_holdout(clients)  # type: ignore[no-any-return]
         _, z, y = self.data.holdout
         accs = []
-        for c in self.clients:
+        for c in self.clients if clients is None else clients:
             c.model.eval()
             correct = 0
             for start in range(0, len(y), EVAL_BATCH):

@@ -368,6 +368,16 @@ def test_a_client_state_leaves_out_frozen_parameters_it_can_take_from_the_start(
         c.model.proj.bias.add_(1.0)
     changed = client_state(rt.sim, c, rt.initial[0])
     assert "proj.bias" in changed["model"] and "proj.weight" not in changed["model"]
+    # a frozen parameter already holding the value to load is not written (its version, which
+    # keys the batched trainer's proj(z) caches, stays); one holding another value is
+    version = c.model.proj.weight._version, c.model.proj.bias._version
+    load_client_state(rt.sim, c, state, rt.initial[0])
+    assert c.model.proj.weight._version == version[0] and c.model.proj.bias._version > version[1]
+    assert torch.equal(c.model.proj.bias, rt.initial[0]["model"]["proj.bias"])
+    # a state that does not fit the model is refused, naming the client and the keys
+    bad = {**state, "model": {**state["model"], "adapter.extra": torch.zeros(1)}}
+    with pytest.raises(ValueError, match=r"client 'red'.*unexpected \['adapter.extra'\]"):
+        load_client_state(rt.sim, c, bad, rt.initial[0])
     load_client_state(rt.sim, c, rt.initial[0], None)  # leave the cached runtime as it was
 
 
@@ -546,6 +556,48 @@ def test_a_batched_flower_client_saves_its_own_rows_only(tmp_path: Path) -> None
     got = _serve(InlineGrid(client, 4), config, diagnostics=True, min_nodes=4).history
     assert_equal_to_batched(got, ref)
     assert shared == []
+
+
+def test_a_batched_flower_client_evaluates_like_the_simulator_projecting_each_test_set_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With batched execution and a frozen projection a Flower client evaluates as the
+    batched simulator does (:meth:`Simulation.evaluate` of the one client): ``proj(z)`` of a
+    test set is computed once in the process and reused by every later evaluate message of
+    every client that shares it, as a message that loads a client's state leaves the frozen
+    projection it already holds untouched.  Before, every evaluate message pushed the whole
+    test set through the client's projection: most of a 10,000-client Flower round."""
+    from protofl.engine.batched import FrozenProjections
+    from protofl.engine.flower.client_app import get_runtime
+
+    config = tiny_config("fedproto", "vpdr", clients_per_domain=2).with_overrides(
+        ["federation.execution=batched", "backbone.train_projection=false"]
+    )
+    home = tmp_path / "home"
+    ref = Simulation(config, build_federated_data(config, home)).run()
+    projected: list[int] = []
+    project = FrozenProjections.project
+
+    def counted(self: FrozenProjections, z: torch.Tensor, j: int) -> torch.Tensor:
+        projected.append(id(z))
+        return project(self, z, j)
+
+    monkeypatch.setattr(FrozenProjections, "project", counted)
+    evaluations: list[int] = []
+    app = make_client_app(config, home)
+
+    def client(msg: Message, ctx: Context) -> Message:
+        evaluations.append(msg.metadata.message_type == "evaluate")
+        return app(msg, ctx)
+
+    got = _serve(InlineGrid(client, 4), config, diagnostics=True, min_nodes=4).history
+    assert_equal_to_batched(got, ref)
+    test_sets = {id(c.data.test_z) for c in get_runtime(config, home).sim.clients}
+    assert len(test_sets) == 2 and sum(evaluations) == 4 * 3
+    # each test set once, of 12 evaluate messages; nothing twice (a release projects its
+    # client's training features, cached as well)
+    assert sorted(i for i in projected if i in test_sets) == sorted(test_sets)
+    assert len(projected) == len(set(projected))
 
 
 @pytest.mark.parametrize("client_state", ["memory", "disk"])

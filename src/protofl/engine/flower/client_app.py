@@ -66,7 +66,7 @@ from protofl.engine.flower.codec import (
     packed_bytes,
     record_to_tensors,
 )
-from protofl.engine.simulation import EVAL_BATCH, Client, Simulation
+from protofl.engine.simulation import Client, Simulation
 from protofl.methods.base import Upload, frozen_parameter_names
 from protofl.privacy.noise import INSECURE_OPT_OUT, resolve_noise_mode, secret_seed
 
@@ -258,7 +258,7 @@ def load_client_state(
     model = state["model"]
     if initial is not None:
         model = {**{k: v for k, v in initial["model"].items() if k not in model}, **model}
-    c.model.load_state_dict(model)
+    load_model_state(c, model)
     c.optimizer.load_state_dict(state["optimizer"])
     c.state.tensors = dict(state["state"])
     c.ledger.load_state_dict(state["ledger"])
@@ -271,6 +271,22 @@ def load_client_state(
         sim.public_counts[c.data.client] = int(state["public_count"])
     else:
         sim.public_counts.pop(c.data.client, None)
+
+
+def load_model_state(c: Client, model: dict[str, torch.Tensor]) -> None:
+    """``c.model.load_state_dict(model)`` (strict), leaving a frozen parameter that already
+    holds the value to load alone: a copy in place would change its version, and the batched
+    trainer's ``proj(z)`` caches, keyed by it, would start again with every message."""
+    live = c.model.state_dict()
+    kept = {k for k in frozen_parameter_names(c.model) if k in model and _equal(live[k], model[k])}
+    missing, unexpected = c.model.load_state_dict(
+        {k: v for k, v in model.items() if k not in kept}, strict=False
+    )
+    if set(missing) != kept or unexpected:
+        raise ValueError(
+            f"client {c.data.name!r}: the model state to load does not fit its model (missing "
+            f"{sorted(set(missing) - kept)}, unexpected {sorted(unexpected)})"
+        )
 
 
 def unload_client(sim: Simulation, c: Client) -> None:
@@ -399,35 +415,18 @@ def fresh_client_state(
     return state
 
 
-@torch.no_grad()
 def evaluate_client(sim: Simulation, c: Client, sample: bool = False) -> tuple[float, int]:
     """One client's accuracy on its domain's test set, or (``sample``) on the set's fixed
-    subsample of ``federation.eval_samples`` (``Simulation.evaluate`` for one client), and the
+    subsample of ``federation.eval_samples`` (:meth:`Simulation.evaluate` of this client: with
+    ``federation.execution: batched`` the batched predictor, whose ``proj(z)`` of a frozen
+    projection is computed once per test set in the process, not once per message), and the
     number of test samples it was measured on."""
-    c.model.eval()
-    test_z, test_y = sim.test_set(c, sample)
-    correct = 0
-    for start in range(0, len(test_y), EVAL_BATCH):
-        z = test_z[start : start + EVAL_BATCH].float()
-        y = test_y[start : start + EVAL_BATCH]
-        pred = sim.method.predict(c.model, z, sim.global_state, c.state)
-        correct += int((pred == y).sum())
-    return correct / max(len(test_y), 1), len(test_y)
+    return sim.evaluate(sample, [c])[c.data.name], len(sim.test_set(c, sample)[1])
 
 
-@torch.no_grad()
 def evaluate_client_holdout(sim: Simulation, c: Client) -> float | None:
     """One client's accuracy on the held-out domain (``Simulation.evaluate_holdout``'s term)."""
-    if sim.data.holdout is None:
-        return None
-    _, z, y = sim.data.holdout
-    c.model.eval()
-    correct = 0
-    for start in range(0, len(y), EVAL_BATCH):
-        zz = z[start : start + EVAL_BATCH].float()
-        pred = sim.method.predict(c.model, zz, sim.global_state, c.state)
-        correct += int((pred == y[start : start + EVAL_BATCH]).sum())
-    return correct / max(len(y), 1)
+    return sim.evaluate_holdout([c])
 
 
 # ----- the app ------------------------------------------------------------------------------
@@ -504,7 +503,7 @@ def _train(sim: Simulation, c: Client, msg: Message) -> RecordDict:
 def _evaluate(sim: Simulation, c: Client, msg: Message) -> RecordDict:
     sim.global_state = decode_global_state(msg.content.get("global", ArrayRecord()))
     if "weights" in msg.content:
-        c.model.load_state_dict(record_to_tensors(msg.content["weights"], "weights"))
+        load_model_state(c, record_to_tensors(msg.content["weights"], "weights"))
     plan = str(msg.content.get("config", ConfigRecord()).get("evaluation", "full"))
     if plan not in ("full", "sample", "none"):
         raise ValueError(f"config['evaluation'] is {plan!r}, not one of full, sample, none")
