@@ -1123,6 +1123,34 @@ def test_flower_runs_in_one_process_repeat_exactly(tmp_path: Path) -> None:
     assert losses[0] == losses[1] == losses[2]
 
 
+@pytest.mark.parametrize("execution", ["sequential", "batched"])
+def test_no_message_writes_the_runtime_initial_states_it_loads(
+    execution: str, tmp_path: Path
+) -> None:
+    """A client with no saved state is loaded from the runtime's initial state, whose model and
+    DCR teacher it shares (not deep-copied per message): training, releases and evaluations of
+    clients that did and did not train leave every initial tensor as it was, and the run still
+    equals the simulator's."""
+    from protofl.engine.flower.client_app import get_runtime
+
+    config = tiny_config("fedproto", "vpdr", clients_per_domain=2, rounds=2).with_overrides(
+        [f"federation.execution={execution}", "federation.participation=0.5", "privacy.dcr=true"]
+    )
+    runtime = get_runtime(config, tmp_path)
+    before = {path: t.clone() for path, t in tensors(runtime.initial)}
+    assert any(".dcr.teacher." in path for path in before)
+    got = run_flower_simulation(config, home=tmp_path, backend="inline").history
+    assert get_runtime(config, tmp_path) is runtime
+    after = dict(tensors(runtime.initial))
+    assert before.keys() == after.keys()
+    assert [p for p, t in before.items() if not torch.equal(t, after[p])] == []
+    ref = Simulation(config, build_federated_data(config, tmp_path)).run()
+    if execution == "batched":
+        assert_equal_to_batched(got, ref)
+    else:
+        assert comparable(got) == comparable(ref)
+
+
 def test_a_flower_run_folder_has_its_log_record_and_what_the_server_received(
     tmp_path: Path,
 ) -> None:

@@ -178,7 +178,8 @@ def _share_equal(
     Clients whose fresh models are identical (``Backbone.client_model_key``) then hold one copy
     of their initial values, so the runtime's initial states grow with the distinct values, not
     with M (a frozen 1280 -> 512 projection alone is 2.6 MB a client).  They are read only:
-    :func:`fresh_client_state` copies, :func:`load_client_state` copies into the model."""
+    :func:`fresh_client_state` hands them on, :func:`load_client_state` copies them into the
+    client's modules."""
 
     def share(obj: Any, path: str) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -243,6 +244,10 @@ def own_storage(obj: Any) -> Any:
         return type(obj)(own_storage(v) for v in obj)
     return obj
 
+
+COPIED_ON_LOAD = ("model", "dcr")
+"""Parts of a client state :func:`load_client_state` copies into the client's modules (never
+takes over), so a state loaded once may share them with another."""
 
 NOT_LOADED = ("release_cache", "noise_key")
 """Parts of a saved state :func:`load_client_state` does not read (:func:`_run` does)."""
@@ -334,7 +339,7 @@ def save_node_state(path: Path, state: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as fh:
-        fh.write(buf.getvalue())
+        fh.write(buf.getbuffer())
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
@@ -407,8 +412,13 @@ def fresh_client_state(
     sim: Simulation, runtime_initial: dict[str, Any], mode: str
 ) -> dict[str, Any]:
     """A client's state at its first start: the config's initial state, with a noise key drawn
-    on this node from the operating system in ``secret`` mode (never derived from the config)."""
-    state = copy.deepcopy(runtime_initial)
+    on this node from the operating system in ``secret`` mode (never derived from the config).
+
+    The model and the DCR teacher are the runtime's own tensors (:data:`COPIED_ON_LOAD`:
+    :func:`load_client_state` copies them into the client's modules and nothing writes them),
+    the rest a private deep copy: a client with no saved state is loaded at every message that
+    reaches it (each ``hello``, each evaluation of a client never selected to train)."""
+    state = {k: v if k in COPIED_ON_LOAD else copy.deepcopy(v) for k, v in runtime_initial.items()}
     if mode == "secret":
         state["noise_gen"] = torch.Generator().manual_seed(secret_seed()).get_state()
     state["noise_key"] = mode
