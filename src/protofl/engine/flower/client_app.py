@@ -142,12 +142,12 @@ def get_runtime(config: ExperimentConfig, home: Path | None = None) -> ClientRun
             sim = Simulation(config, data)
             # private copies: a state_dict aliases live tensors (the DCR teacher's), which a run
             # would otherwise mutate in place, so the next run in this process started elsewhere;
-            # of a client's own rows only (own_storage: with run.client_state=disk they are rows
-            # of the mapped store, and a deep copy of a row copies the whole store)
+            # of a client's own rows only (with run.client_state=disk they are rows of the
+            # mapped store, and a deep copy of a row copies the whole store)
             initial: dict[int, dict[str, Any]] = {}
             shared: dict[Any, list[torch.Tensor]] = {}
             for c in sim.clients:
-                state = copy.deepcopy(own_storage(client_state(sim, c)))
+                state = own_storage(client_state(sim, c), private=True)
                 initial[c.data.client] = _share_equal(state, shared)
                 unload_client(sim, c)  # with run.client_state=disk: rows read leave RSS
             runtime = ClientRuntime(config=config, sim=sim, initial=initial)
@@ -230,19 +230,22 @@ def client_state(
     }
 
 
-def own_storage(obj: Any) -> Any:
+def own_storage(obj: Any, private: bool = False) -> Any:
     """``obj`` (nested dicts, lists, tuples) with every tensor that views part of a larger
     storage copied out: ``torch.save`` writes a tensor's whole storage, and with
     ``federation.execution: batched`` a client's parameters, moments and DCR teacher are rows
-    of the stacked ``[M, ...]`` store of every client in the process."""
+    of the stacked ``[M, ...]`` store of every client in the process.
+
+    ``private``: a deep copy in the same walk (every tensor cloned, everything else
+    deep-copied), where ``copy.deepcopy`` of a row would copy the whole store."""
     if isinstance(obj, torch.Tensor):
         whole = obj.untyped_storage().nbytes() == obj.numel() * obj.element_size()
-        return obj if whole and obj.is_contiguous() else obj.clone()
+        return obj if whole and obj.is_contiguous() and not private else obj.detach().clone()
     if isinstance(obj, dict):
-        return {k: own_storage(v) for k, v in obj.items()}
+        return {k: own_storage(v, private) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(own_storage(v) for v in obj)
-    return obj
+        return type(obj)(own_storage(v, private) for v in obj)
+    return copy.deepcopy(obj) if private else obj
 
 
 COPIED_ON_LOAD = ("model", "dcr")
