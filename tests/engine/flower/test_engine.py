@@ -24,6 +24,7 @@ from protofl.engine.federated_data import build_federated_data
 from protofl.engine.flower.client_app import (
     STATE_KEY,
     config_from_run_config,
+    load_node_state,
     make_client_app,
 )
 from protofl.engine.flower.codec import unpack_state
@@ -707,8 +708,19 @@ def test_a_disk_backed_flower_run_resumes_from_its_node_files_to_the_same_number
     (tmp_path / "tmp").mkdir()
     reference = run_flower_simulation(config, home=home, backend="inline")
     assert not list((tmp_path / "tmp").glob("protofl-flower-nodes-*"))
+    saves = _spy_node_saves(monkeypatch)
     run_dir = _stopped_before_checkpoint_2(config, home, tmp_path / "runs", monkeypatch)
     assert _node_ledger_rounds(run_dir) == {"partition-0": [0, 1], "partition-1": [0, 1]}
+    # the state each client saved with its round-2 release is that very file, hard-linked
+    # (not its bytes inside the node file its training wrote), and the round-1 one is gone
+    for path in sorted((run_dir / "nodes").glob("partition-*/*.pt")):
+        cache = load_node_state(path)["release_cache"]  # type: ignore[index]
+        assert cache["round"] == 2 and cache["after"] == f"{path.name}.release-2"
+        link = path.parent / cache["after"]
+        assert [p.name for p in path.parent.iterdir() if p != path] == [link.name]
+        at_release = saves[path][-2]  # the release's save, then the training's
+        assert (link.stat().st_ino, link.read_bytes()) == at_release
+        assert path.stat().st_size < 1.2 * link.stat().st_size
     resumed = resume_flower_simulation(run_dir, home=home, backend="inline")
     for a, b in zip(comparable(resumed.history), comparable(reference.history), strict=True):
         assert a["client_acc"] == b["client_acc"]
@@ -1203,14 +1215,56 @@ def test_a_restarted_supernode_gets_its_partition_back_with_its_state(tmp_path: 
 
 # ----- resume and extension on the Flower engine ---------------------------------------------
 def _node_ledger_rounds(run_dir: Path) -> dict[str, list[int]]:
-    from protofl.engine.flower.client_app import load_node_state
-
     out = {}
     for path in sorted((run_dir / "nodes").glob("partition-*/*.pt")):
         state = load_node_state(path)
         assert state is not None
         out[path.parent.name] = [e["round"] for e in state["ledger"]["entries"]]
     return out
+
+
+def _spy_node_saves(monkeypatch: pytest.MonkeyPatch) -> dict[Path, list[tuple[int, bytes]]]:
+    """Every node file :func:`save_node_state` writes from now on: (inode, bytes) per save."""
+    import protofl.engine.flower.client_app as client_app
+
+    real = client_app.save_node_state
+    saves: dict[Path, list[tuple[int, bytes]]] = {}
+
+    def spy(path: Path, state: dict[str, Any]) -> None:
+        real(path, state)
+        saves.setdefault(path, []).append((path.stat().st_ino, path.read_bytes()))
+
+    monkeypatch.setattr(client_app, "save_node_state", spy)
+    return saves
+
+
+def test_a_release_file_falls_back_to_bytes_and_a_missing_one_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node file system without hard links: the cache holds the bytes the release saved. A
+    release file the cache names but that is gone: a one-line error naming it."""
+    import protofl.engine.flower.client_app as client_app
+
+    node_file = tmp_path / "protofl-client-0-abc.pt"
+    node_file.write_bytes(b"saved at the release")
+    cache = {"round": 3, "reply": torch.zeros(1), "after": None}
+
+    def no_links(src: Any, dst: Any) -> None:
+        raise OSError("operation not permitted")
+
+    with monkeypatch.context() as m:
+        m.setattr(client_app.os, "link", no_links)
+        kept = client_app.keep_release_file(cache, node_file, node_file.read_bytes())
+    assert kept["after"].numpy().tobytes() == b"saved at the release"
+    assert list(tmp_path.iterdir()) == [node_file]
+
+    kept = client_app.keep_release_file(cache, node_file, node_file.read_bytes())
+    link = tmp_path / "protofl-client-0-abc.pt.release-3"
+    assert kept["after"] == link.name and link.stat().st_ino == node_file.stat().st_ino
+    assert client_app.keep_release_file(kept, node_file, b"") is kept  # kept once
+    link.unlink()
+    with pytest.raises(ValueError, match=r"abc\.pt\.release-3: the state saved with the round-3"):
+        client_app.cached_state_after_release(kept, {}, tmp_path)
 
 
 def _stopped_before_checkpoint_2(

@@ -386,6 +386,38 @@ def keep_state_after_release(cache: dict[str, Any], saved_bytes: bytes) -> dict[
     return {**cache, "after": torch.frombuffer(bytearray(saved_bytes), dtype=torch.uint8)}
 
 
+def release_file(path: Path, rnd: int) -> Path:
+    """Where a node whose state lives in ``path`` alone keeps the state it saved with its
+    round-``rnd`` release, once a later message replaces ``path`` (:func:`keep_release_file`)."""
+    return path.with_name(f"{path.name}.release-{rnd}")
+
+
+def keep_release_file(cache: dict[str, Any], path: Path, saved_bytes: bytes) -> dict[str, Any]:
+    """:func:`keep_state_after_release` for a node whose node file is its only saved state
+    (``run.client_state=disk`` in protofl's simulation): the file the release saved, still at
+    ``path``, is hard-linked to :func:`release_file` and the cache names it, so those bytes are
+    neither read again nor written a second time into every later node file of the round.
+    Where the file system has no hard links, the cache holds the bytes (``saved_bytes``)."""
+    if not cache or cache.get("after") is not None:
+        return cache
+    link = release_file(path, int(cache["round"]))
+    tmp = link.with_name(link.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(path, tmp)
+    except OSError:
+        return keep_state_after_release(cache, saved_bytes)
+    os.replace(tmp, link)
+    return {**cache, "after": link.name}
+
+
+def drop_release_files(path: Path) -> None:
+    """Remove the release files of ``path``'s earlier releases (:func:`release_file`): called
+    once ``path`` holds a new release, whose cache names none of them."""
+    for old in path.parent.glob(f"{path.name}.release-*"):
+        old.unlink(missing_ok=True)
+
+
 def _state_bytes(state: dict[str, Any]) -> torch.Tensor:
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -402,12 +434,24 @@ def cached_release(saved: dict[str, Any]) -> dict[str, Any]:
     return cache
 
 
-def cached_state_after_release(cache: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
+def cached_state_after_release(
+    cache: dict[str, Any], saved: dict[str, Any], folder: Path | None = None
+) -> dict[str, Any]:
     """The parts of the state after the cached release that a repeated release restores (not
     :data:`PRIVATE_PARTS`), unpacked afresh; ``saved`` when the cache holds no bytes (the saved
-    state is the state after the release)."""
+    state is the state after the release); read from the release file in ``folder`` (the node
+    file's) when the cache names one (:func:`keep_release_file`)."""
     after = cache.get("after")
-    state = saved if after is None else load_state_bytes(after.numpy().tobytes())
+    if isinstance(after, str):
+        if folder is None or not (folder / after).is_file():
+            where = after if folder is None else folder / after
+            raise ValueError(
+                f"{where}: the state saved with the round-{cache.get('round')} release, which "
+                "the node file's release cache names, is missing"
+            )
+        state = load_state_bytes((folder / after).read_bytes())
+    else:
+        state = saved if after is None else load_state_bytes(after.numpy().tobytes())
     return {k: v for k, v in state.items() if k not in PRIVATE_PARTS and k not in NOT_LOADED}
 
 
@@ -606,7 +650,8 @@ def _run(
         # a repeated release request for the same round: the same release, and the training
         # state of just after it (ledger, noise stream and counters stay where they are)
         initial = runtime.initial[pid]
-        loaded = {**saved, **cached_state_after_release(cache, saved)} if again else saved
+        folder = None if state_file is None else state_file.parent
+        loaded = {**saved, **cached_state_after_release(cache, saved, folder)} if again else saved
         load_client_state(sim, c, loaded, initial)
         sim.round = max(rnd - 1, 0)
         try:
@@ -631,15 +676,21 @@ def _run(
         # serialised below, before anything changes the client again: no copies, but of rows
         # of a batched store (own_storage)
         state = {**own_storage(client_state(sim, c, initial)), "noise_key": mode}
-        if phase == "release" and not again:
+        released = phase == "release" and not again
+        if released:
             cache = release_cache(rnd, content)
-        elif not again:  # the state after the release changes now: keep it as it was saved
+        elif not again and not in_context and state_file is not None:
+            # the state after the release changes now: the file the release saved is kept
+            cache = keep_release_file(cache, state_file, saved_bytes)
+        elif not again:  # ... or, where the Context holds the state, the bytes it was saved as
             cache = keep_state_after_release(cache, saved_bytes)
         state["release_cache"] = cache or None
         if in_context:
             context.state[STATE_KEY] = pack_state(state)
         if state_file is not None:
             save_node_state(state_file, state)
+            if released and not in_context:
+                drop_release_files(state_file)
     finally:
         unload_client(sim, c)
         torch.set_num_threads(threads)
