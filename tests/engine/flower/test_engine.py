@@ -1265,6 +1265,8 @@ def test_a_release_file_falls_back_to_bytes_and_a_missing_one_is_named(
     link.unlink()
     with pytest.raises(ValueError, match=r"abc\.pt\.release-3: the state saved with the round-3"):
         client_app.cached_state_after_release(kept, {}, tmp_path)
+    with pytest.raises(ValueError, match="a release file is named within its node's folder"):
+        client_app.cached_state_after_release({**kept, "after": "../x.pt"}, {}, tmp_path)
 
 
 def _stopped_before_checkpoint_2(

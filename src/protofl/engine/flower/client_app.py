@@ -443,6 +443,8 @@ def cached_state_after_release(
     file's) when the cache names one (:func:`keep_release_file`)."""
     after = cache.get("after")
     if isinstance(after, str):
+        if Path(after).name != after:
+            raise ValueError(f"{after!r}: a release file is named within its node's folder")
         if folder is None or not (folder / after).is_file():
             where = after if folder is None else folder / after
             raise ValueError(
