@@ -15,14 +15,14 @@ MB = 1 << 20
 
 
 def test_a_heap_trim_trims_only_after_its_slack_of_growth_and_moves_its_base() -> None:
-    rss = iter([100, 150, 400, 120, 300, 420, 500, 300, 600])
+    rss = iter([100, 150, 400, 120, 300, 420, 500, 300, 450, 520, 80])
     trims: list[int] = []
     heap = HeapTrim(slack=200, rss=lambda: next(rss), trim=lambda: trims.append(1))
     # 100: the base; 150: within it; 400: trims, and 120 after it is the new base; 300: within
-    # it; 420: trims, 500 after it (live memory grew); 300: within it
-    assert [heap() for _ in range(6)] == [False, False, True, False, True, False]
-    assert heap.trims == 2 == len(trims)
-    assert heap() is False  # 600: within 200 of 500, the resident set after the last trim
+    # it; 420: trims, 500 after it (live memory grew); 300: the new, lower base; 450: within
+    # it; 520: trims (80 after it)
+    assert [heap() for _ in range(8)] == [False, False, True, False, True, False, False, True]
+    assert heap.trims == 3 == len(trims)
     assert HeapTrim(rss=lambda: None, trim=lambda: None)() is False  # no /proc: nothing
 
 

@@ -53,9 +53,9 @@ def _malloc_trim() -> Callable[[], object] | None:
 
 class HeapTrim:
     """Call after each message: trims the heap (``malloc_trim(0)``) when the resident set
-    grew by more than ``slack`` bytes since the last trim (or the first call), and takes the
-    resident set after the trim as the new base, so live memory that grows costs one trim per
-    ``slack`` of growth."""
+    grew by more than ``slack`` bytes over its base: the lowest resident set seen since the
+    last trim (or the first call), or the one right after that trim. Live memory that grows
+    costs one trim per ``slack`` of growth."""
 
     def __init__(
         self,
@@ -78,7 +78,7 @@ class HeapTrim:
             now = self._rss()
             if now is None:
                 return False
-            if self._base is None:  # the first call sets the base
+            if self._base is None or now < self._base:  # growth counts from the lowest point
                 self._base = now
                 return False
             if now <= self._base + self.slack:
