@@ -1271,35 +1271,6 @@ def _spy_node_saves(monkeypatch: pytest.MonkeyPatch) -> dict[Path, list[tuple[in
     return saves
 
 
-def test_every_message_a_client_process_serves_ends_with_a_heap_check(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A process serving thousands of clients hands back the heap they freed
-    (``engine.heap``): the check runs after every message, the failed ones too."""
-    import protofl.engine.flower.client_app as client_app
-
-    checks: list[str] = []
-    served: list[str] = []
-    monkeypatch.setattr(client_app, "HEAP_TRIM", lambda: checks.append("check"))
-
-    def wrap(app: Any, msg: Message, ctx: Context) -> Message:
-        served.append(msg.metadata.message_type)
-        if ctx.node_config["partition-id"] == 1 and msg.metadata.message_type == "train":
-            with monkeypatch.context() as m:  # this message fails in the client's code
-                m.setattr(client_app, "_train", _raise_disk_full)
-                return app(msg, ctx)
-        return app(msg, ctx)
-
-    outcome, _ = _run_inline(tmp_path, wrap, rounds=2)
-    failed = [r for m in outcome.history for r in m.rejected if "disk full" in r["reason"]]
-    assert len(failed) == 2  # partition 1's training, in both rounds
-    assert len(checks) == len(served) and served.count("train") == 4
-
-
-def _raise_disk_full(*args: Any) -> Any:
-    raise OSError("disk full")
-
-
 def test_a_release_file_falls_back_to_bytes_and_a_missing_one_is_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -66,7 +66,6 @@ from protofl.engine.flower.codec import (
     packed_bytes,
     record_to_tensors,
 )
-from protofl.engine.heap import HeapTrim
 from protofl.engine.simulation import Client, Simulation
 from protofl.methods.base import Upload, frozen_parameter_names
 from protofl.privacy.noise import INSECURE_OPT_OUT, resolve_noise_mode, secret_seed
@@ -127,9 +126,6 @@ class ClientRuntime:
 
 _RUNTIMES: dict[tuple[str, str], ClientRuntime] = {}
 _LOCK = threading.Lock()
-HEAP_TRIM = HeapTrim()
-"""Called after every message this process serves: a process that serves thousands of clients
-gives the heap they freed back (:mod:`protofl.engine.heap`)."""
 
 
 def get_runtime(config: ExperimentConfig, home: Path | None = None) -> ClientRuntime:
@@ -706,7 +702,6 @@ def _run(
     finally:
         unload_client(sim, c)
         torch.set_num_threads(threads)
-        HEAP_TRIM()  # what the message freed leaves the resident set (engine.heap)
     return Message(content=content, reply_to=msg)
 
 
