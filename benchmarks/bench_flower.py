@@ -9,7 +9,12 @@ per-client code).  Both runs train and evaluate the same clients the same way, s
 per-round accuracies agree; the ratio of their mean round times is the Flower engine's
 overhead.  Prints one JSON line.
 
+``--run-folder``: the Flower run writes a run folder (in a temporary folder, removed after),
+as ``protofl run --engine flower --out`` does: the server's checkpoints and each node's state
+file beside its Context.
+
 Usage: python benchmarks/bench_flower.py [--clients 100] [--rounds 5] [--set KEY=VALUE ...]
+                                         [--run-folder]
        python benchmarks/bench_flower.py --scale m10000 --rounds 5   # 10,000 clients
 """
 
@@ -51,9 +56,17 @@ def config(clients: int, rounds: int, extra: list[str], scale: str | None = None
 
 
 def one(
-    engine: str, clients: int, rounds: int, extra: list[str], scale: str | None = None
+    engine: str,
+    clients: int,
+    rounds: int,
+    extra: list[str],
+    scale: str | None = None,
+    run_folder: bool = False,
 ) -> dict[str, Any]:
-    """One run of ``engine`` (``flower`` or ``sim``) in this process."""
+    """One run of ``engine`` (``flower`` or ``sim``) in this process (``run_folder``: the
+    Flower run writes one, in a temporary folder)."""
+    import tempfile
+
     import torch
     from bench_m1000 import peak_rss_gb
 
@@ -69,7 +82,10 @@ def one(
     if engine == "flower":
         from protofl.engine.flower.run import run_flower_simulation
 
-        history = run_flower_simulation(cfg, home=protofl_home(), backend="inline").history
+        with tempfile.TemporaryDirectory(prefix="bench-flower-") as out:
+            history = run_flower_simulation(
+                cfg, home=protofl_home(), backend="inline", out=Path(out) if run_folder else None
+            ).history
     else:
         history = Simulation(cfg, build_federated_data(cfg, protofl_home())).run()
     return {
@@ -94,16 +110,23 @@ def main() -> None:
         "participation, evaluation every 5th round on a subsample, run.client_state=disk; "
         "--clients is ignored)",
     )
+    parser.add_argument(
+        "--run-folder",
+        action="store_true",
+        help="the Flower run writes a run folder (checkpoints, node files), as protofl run does",
+    )
     parser.add_argument("--engine", choices=("flower", "sim"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:  # a child: one run
-        print(json.dumps(one(args.engine, args.clients, args.rounds, args.set, args.scale)))
+        result = one(args.engine, args.clients, args.rounds, args.set, args.scale, args.run_folder)
+        print(json.dumps(result))
         return
     runs: dict[str, dict[str, Any]] = {}
     for engine in ("flower", "sim"):
         cmd = [sys.executable, __file__, "--engine", engine, "--clients", str(args.clients)]
         cmd += ["--rounds", str(args.rounds), *(a for s in args.set for a in ("--set", s))]
         cmd += ["--scale", args.scale] if args.scale else []
+        cmd += ["--run-folder"] if args.run_folder else []
         out = subprocess.run(cmd, check=True, capture_output=True, text=True)
         runs[engine] = json.loads(out.stdout.strip().splitlines()[-1])
     flower, sim = runs["flower"], runs["sim"]
@@ -113,6 +136,7 @@ def main() -> None:
     result = {
         "clients": sim["clients"],
         "scale": args.scale,
+        "run_folder": args.run_folder,
         "rounds": args.rounds,
         "flower": flower,
         "sim": sim,

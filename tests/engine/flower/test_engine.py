@@ -459,6 +459,72 @@ def test_the_state_after_a_release_is_kept_once_as_the_bytes_it_was_saved_as(
     ]  # evaluations adopt no weights here: they save nothing
 
 
+@pytest.mark.parametrize("release_files", [True, False])
+def test_a_node_with_a_context_and_a_node_file_serialises_its_state_once(
+    release_files: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run.client_state: memory`` with node files (a run folder): every message that changes
+    the state serialises it once, for the Context and the node file alike (the same bytes).
+    Where the node files are this machine's (``release_files``, protofl's simulation), the
+    state saved with a release stays as that node file, hard-linked, and the Context's cache
+    names it; elsewhere (a Ray cluster's workers, a deployed node) the Context holds its
+    bytes."""
+    from protofl.engine.flower.codec import packed_bytes
+
+    config = tiny_config("fedproto", "vpdr", rounds=2)
+    nodes = tmp_path / "nodes"
+    app = make_client_app(
+        config, tmp_path / "home", deployment=False, state_root=nodes, release_files=release_files
+    )
+    real_save = torch.save
+    saves = [0]
+    inside = [False]
+
+    def counting_save(*args: Any, **kwargs: Any) -> None:
+        saves[0] += inside[0]
+        real_save(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", counting_save)
+    seen: list[tuple[str, int, Any]] = []
+    at_release: list[bytes] = []
+
+    def client(msg: Message, ctx: Context) -> Message:
+        before, count = ctx.state.get(STATE_KEY), saves[0]
+        inside[0] = True
+        try:
+            reply = app(msg, ctx)
+        finally:
+            inside[0] = False
+        if ctx.state.get(STATE_KEY) is before:  # nothing changed, nothing serialised
+            assert saves[0] == count
+            return reply
+        assert saves[0] == count + 1, msg.metadata.message_type
+        pid = ctx.node_config["partition-id"]
+        (node_file,) = (nodes / f"partition-{pid}").glob("*.pt")
+        data = packed_bytes(ctx.state[STATE_KEY])  # type: ignore[arg-type]
+        assert node_file.read_bytes() == data
+        if pid == 0:
+            after = unpack_state(ctx.state[STATE_KEY])["release_cache"]["after"]  # type: ignore[arg-type]
+            if after is None:
+                at_release.append(data)
+            elif isinstance(after, str):  # the file the release wrote, not a copy
+                link = node_file.parent / after
+                assert link.read_bytes() == at_release[-1] and link.stat().st_nlink == 1
+            seen.append((msg.metadata.message_type, _round(msg), type(after).__name__))
+        return reply
+
+    _serve(InlineGrid(client, 2), config, diagnostics=True)
+    kept = "str" if release_files else "Tensor"
+    assert seen == [
+        ("train.release", 1, "NoneType"),
+        ("train", 1, kept),
+        ("train.release", 2, "NoneType"),
+        ("train", 2, kept),
+    ]
+    files = sorted(p.name for p in (nodes / "partition-0").iterdir())
+    assert len(files) == (2 if release_files else 1)  # the node file and its round-2 release
+
+
 def tensors(obj: Any, path: str = "") -> Any:
     """``(path, tensor)`` for every tensor in nested dicts, lists and tuples."""
     if isinstance(obj, torch.Tensor):
@@ -1349,6 +1415,14 @@ def test_a_flower_run_stopped_mid_round_resumes_to_the_same_numbers(
     run_dir = _stopped_before_checkpoint_2(config, home, tmp_path / "runs", monkeypatch)
     assert not (run_dir / "summary.json").exists()
     assert _node_ledger_rounds(run_dir) == {"partition-0": [0, 1], "partition-1": [0, 1]}
+
+    # run.client_state: memory with a run folder: the state each client saved with its round-2
+    # release is that node file, hard-linked, not bytes inside the Context and the node file
+    # its training wrote (which the repeated release of round 2 reads back)
+    for path in sorted((run_dir / "nodes").glob("partition-*/*.pt")):
+        cache = load_node_state(path)["release_cache"]  # type: ignore[index]
+        assert cache["round"] == 2 and cache["after"] == f"{path.name}.release-2"
+        assert path.stat().st_size < 1.2 * (path.parent / cache["after"]).stat().st_size
 
     resumed = resume_flower_simulation(run_dir, home=home, backend="inline")
     assert comparable(resumed.history) == comparable(reference.history)

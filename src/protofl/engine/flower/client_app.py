@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import io
 import json
 import logging
 import os
@@ -65,6 +64,7 @@ from protofl.engine.flower.codec import (
     pack_state,
     packed_bytes,
     record_to_tensors,
+    state_bytes,
 )
 from protofl.engine.simulation import Client, Simulation
 from protofl.methods.base import Upload, frozen_parameter_names
@@ -339,16 +339,16 @@ def _read_node_state(path: Path) -> tuple[dict[str, Any], bytes] | None:
         raise ValueError(f"{path}: the node's saved client state cannot be read ({exc})") from None
 
 
-def save_node_state(path: Path, state: dict[str, Any]) -> None:
-    """Write the client state atomically into the node's state folder, readable by the node's
-    user alone (mode 0600 from creation: in secret mode it holds the noise key)."""
-    buf = io.BytesIO()
-    torch.save(dict(state), buf)
+def save_node_state(path: Path, state: dict[str, Any] | bytes) -> None:
+    """Write the client state (or its :func:`~protofl.engine.flower.codec.state_bytes`)
+    atomically into the node's state folder, readable by the node's user alone (mode 0600 from
+    creation: in secret mode it holds the noise key)."""
+    data = state if isinstance(state, bytes) else state_bytes(state)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as fh:
-        fh.write(buf.getbuffer())
+        fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
@@ -399,17 +399,20 @@ def release_file(path: Path, rnd: int) -> Path:
 
 
 def keep_release_file(cache: dict[str, Any], path: Path, saved_bytes: bytes) -> dict[str, Any]:
-    """:func:`keep_state_after_release` for a node whose node file is its only saved state
-    (``run.client_state=disk`` in protofl's simulation): the file the release saved, still at
-    ``path``, is hard-linked to :func:`release_file` and the cache names it, so those bytes are
-    neither read again nor written a second time into every later node file of the round.
-    Where the file system has no hard links, the cache holds the bytes (``saved_bytes``)."""
+    """:func:`keep_state_after_release` for a node of protofl's simulation, whose node files
+    are this machine's: the file the release saved (``saved_bytes``, read from it or from the
+    node's Context), still at ``path``, is hard-linked to :func:`release_file` and the cache
+    names it, so those bytes are neither kept in the Context nor written a second time into
+    every later node file of the round.  Where the file system has no hard links, or the file
+    is gone or not of ``saved_bytes``' size, the cache holds the bytes."""
     if not cache or cache.get("after") is not None:
         return cache
     link = release_file(path, int(cache["round"]))
     tmp = link.with_name(link.name + ".tmp")
     tmp.unlink(missing_ok=True)
     try:
+        if path.stat().st_size != len(saved_bytes):  # not the state the release saved
+            return keep_state_after_release(cache, saved_bytes)
         os.link(path, tmp)
     except OSError:
         return keep_state_after_release(cache, saved_bytes)
@@ -425,9 +428,7 @@ def drop_release_files(path: Path) -> None:
 
 
 def _state_bytes(state: dict[str, Any]) -> torch.Tensor:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(state_bytes(state)), dtype=torch.uint8)
 
 
 def cached_release(saved: dict[str, Any]) -> dict[str, Any]:
@@ -596,6 +597,7 @@ def _run(
     deployment: bool,
     state_root: Path | None = None,
     release_limit: int | None = None,
+    release_files: bool = False,
 ) -> Message:
     cfg = config if config is not None else config_from_run_config(context.run_config)
     # the noise key is this node's decision: the server's config cannot make it derived
@@ -635,6 +637,10 @@ def _run(
     # state between messages; a deployed node (one client) keeps both, as a lost file must
     # not restart its ledger and noise stream
     in_context = deployment or not (cfg.run.client_state == "disk" and state_file is not None)
+    # the state saved with a release stays as that node file, hard-linked, where the node files
+    # are this machine's (protofl's simulation, no Ray cluster); a deployed node's Context
+    # holds its bytes, as it must restore it without the file
+    link_release = release_files and not deployment and state_file is not None
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.run.threads or 1)
     try:
@@ -687,18 +693,22 @@ def _run(
         released = phase == "release" and not again
         if released:
             cache = release_cache(rnd, content)
-        elif not again and not in_context and state_file is not None:
+        elif not again and link_release and state_file is not None:
             # the state after the release changes now: the file the release saved is kept
             cache = keep_release_file(cache, state_file, saved_bytes)
-        elif not again:  # ... or, where the Context holds the state, the bytes it was saved as
+        elif not again:  # ... or (deployed, a Ray cluster, no files) the bytes it was saved as
             cache = keep_state_after_release(cache, saved_bytes)
         state["release_cache"] = cache or None
-        if in_context:
-            context.state[STATE_KEY] = pack_state(state)
+        # serialised once; the node file first: a Context holding a state means its node file
+        # holds it too (a release file is linked from it), even when the write fails
+        data = state_bytes(state)
+        packed = pack_state(data) if in_context else None
         if state_file is not None:
-            save_node_state(state_file, state)
-            if released and not in_context:
+            save_node_state(state_file, data)
+            if released and link_release:
                 drop_release_files(state_file)
+        if packed is not None:
+            context.state[STATE_KEY] = packed
     finally:
         unload_client(sim, c)
         torch.set_num_threads(threads)
@@ -712,6 +722,7 @@ def make_client_app(
     deployment: bool | None = None,
     state_root: Path | None = None,
     release_limit: int | None = None,
+    release_files: bool = False,
 ) -> ClientApp:
     """A ClientApp running protofl's client; ``config`` None: read it from the run config
     (``protofl-config`` / ``protofl-set``), as apps launched by ``flwr run`` do.
@@ -725,10 +736,13 @@ def make_client_app(
     (protofl's own simulation: ``<run folder>/nodes``; a node config's ``state-dir`` wins).
     ``release_limit``: releases each client may make (default: ``federation.rounds``, what the
     mechanism was calibrated for); an extended run raises it, on the clients' side.
+    ``release_files``: the node folders are this machine's (protofl's simulation, inline or on
+    a local Ray): the state a client saved with its release is kept as that node file,
+    hard-linked (:func:`keep_release_file`), not as bytes in its Context and later node files.
     """
     app = ClientApp()
     deployed = config is None if deployment is None else deployment
-    extra = (state_root, release_limit)
+    extra = (state_root, release_limit, release_files)
 
     @app.query("hello")
     def hello(msg: Message, context: Context) -> Message:

@@ -320,16 +320,23 @@ STATE_STYPE = "protofl.torch-save"
 """The ``stype`` of a packed client state: its bytes are ``torch.save``'s, as they are."""
 
 
-def pack_state(state: Mapping[str, Any]) -> ArrayRecord:
-    """Arbitrary torch-serialisable state (tensors, plain containers) as a one-entry ArrayRecord.
+def state_bytes(state: Mapping[str, Any]) -> bytes:
+    """``torch.save`` bytes of a client state (what :func:`pack_state` packs and a node file
+    holds)."""
+    buf = io.BytesIO()
+    torch.save(dict(state), buf)
+    return buf.getvalue()
+
+
+def pack_state(state: Mapping[str, Any] | bytes) -> ArrayRecord:
+    """Arbitrary torch-serialisable state (tensors, plain containers), or its
+    :func:`state_bytes`, as a one-entry ArrayRecord.
 
     The ``torch.save`` bytes are the array's data as they are (``stype``
     :data:`STATE_STYPE`, a uint8 vector), so Flower chunks them like any array and nothing
     copies them again.  Used only for a client's ``context.state``, which never leaves its node.
     """
-    buf = io.BytesIO()
-    torch.save(dict(state), buf)
-    data = buf.getvalue()
+    data = state if isinstance(state, bytes) else state_bytes(state)
     array = Array(dtype="uint8", shape=(len(data),), stype=STATE_STYPE, data=data)
     return ArrayRecord({"state": array})
 

@@ -172,6 +172,8 @@ def _simulate(
             deployment=False,
             state_root=state_root,
             release_limit=None if run_dir is None else target_rounds(run_dir, config),
+            # a Ray cluster's workers may each write the node files on their own machine
+            release_files=ray_address is None,
         )
         if backend == "inline":
             from protofl.engine.flower.inline import InlineGrid
