@@ -84,13 +84,21 @@ def test_inline_flower_run_equals_the_simulator(
 def test_ray_flower_simulation_equals_the_simulator(
     reference: list[RoundMetrics], tmp_path: Path
 ) -> None:
-    """Flower's Simulation Runtime (Ray): same per-round metrics as the in-process simulator."""
+    """Flower's Simulation Runtime (Ray): same per-round metrics as the in-process simulator.
+    With a run folder on a local Ray the actors write the node files on this machine, and each
+    node keeps the state saved with its last release as that node file, hard-linked."""
     pytest.importorskip("ray")
     config = tiny_config("fedproto", "vpdr")
     t0 = time.perf_counter()
-    result = run_flower_simulation(config, home=tmp_path, backend="ray")
+    result = run_flower_simulation(config, home=tmp_path, backend="ray", out=tmp_path / "runs")
     wall = time.perf_counter() - t0
     assert comparable(result.history) == comparable(reference)
+    assert result.run_dir is not None
+    node_files = sorted((result.run_dir / "nodes").glob("partition-*/*.pt"))
+    assert len(node_files) == len(reference[0].client_acc)
+    for path in node_files:
+        cache = load_node_state(path)["release_cache"]  # type: ignore[index]
+        assert (path.parent / cache["after"]).is_file()
     print(f"ray flower run: {wall:.1f}s")
 
 
@@ -305,6 +313,32 @@ def test_unknown_backend_and_missing_config_fail_clearly(tmp_path: Path) -> None
     with pytest.raises(ValueError, match=r"run.client_state=disk .* Ray cluster"):
         run_flower_simulation(disk, home=tmp_path, ray_address="auto", out=tmp_path / "runs")
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("ray_address", [None, "ray://cluster:10001"])
+def test_release_files_only_where_the_node_files_are_this_machines(
+    ray_address: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """protofl's simulation keeps a release's state as a hard-linked node file (memory mode
+    included) unless it runs on a Ray cluster, whose workers may each write node files on
+    their own machine: there the Context keeps the bytes."""
+    import protofl.engine.flower.client_app as client_app
+
+    class Built(Exception):
+        pass
+
+    seen: dict[str, Any] = {}
+
+    def capture(*args: Any, **kwargs: Any) -> Any:
+        seen.update(kwargs)
+        raise Built
+
+    monkeypatch.setattr(client_app, "make_client_app", capture)
+    with pytest.raises(Built):
+        run_flower_simulation(
+            tiny_config("fedproto", "igpp"), home=tmp_path, backend="ray", ray_address=ray_address
+        )
+    assert seen["release_files"] is (ray_address is None)
 
 
 def test_state_survives_in_context_between_messages(tmp_path: Path) -> None:
