@@ -559,6 +559,50 @@ def test_a_node_with_a_context_and_a_node_file_serialises_its_state_once(
     assert len(files) == (2 if release_files else 1)  # the node file and its round-2 release
 
 
+def test_a_simulated_node_without_node_files_keeps_no_state_after_its_release(
+    tmp_path: Path,
+) -> None:
+    """protofl's simulation without a run folder: no checkpoint, so no server restart asks for
+    a release again, and the Context keeps no state after the release once training changes
+    it (the cache says so); a repeated request is refused in one line, not answered with
+    another state."""
+    config = tiny_config("fedproto", "vpdr", rounds=2)
+    app = make_client_app(config, tmp_path / "home", deployment=False, release_files=True)
+    releases: dict[int, Message] = {}
+    seen: list[tuple[str, int, Any]] = []
+    refused: list[str] = []
+
+    def client(msg: Message, ctx: Context) -> Message:
+        reply = app(msg, ctx)
+        if ctx.node_config["partition-id"] != 0 or STATE_KEY not in ctx.state:
+            return reply
+        kind = msg.metadata.message_type
+        if kind not in ("train", "train.release"):  # evaluations adopt no weights here
+            return reply
+        packed = ctx.state[STATE_KEY]
+        after = unpack_state(packed)["release_cache"]["after"]  # type: ignore[arg-type]
+        seen.append((kind, _round(msg), after))
+        if kind == "train.release":
+            releases[_round(msg)] = msg
+        elif kind == "train" and _round(msg) == 1:  # the server asks for round 1 again
+            with pytest.raises(ValueError) as err:
+                app(releases[1], ctx)
+            refused.append(str(err.value))
+            assert ctx.state[STATE_KEY] is packed  # nothing changed
+        return reply
+
+    _serve(InlineGrid(client, 2), config, diagnostics=True)
+    assert seen == [
+        ("train.release", 1, None),
+        ("train", 1, False),
+        ("train.release", 2, None),
+        ("train", 2, False),
+    ]
+    assert (
+        refused and "round 1: the release is asked for again, but the state after" in (refused[0])
+    )
+
+
 def tensors(obj: Any, path: str = "") -> Any:
     """``(path, tensor)`` for every tensor in nested dicts, lists and tuples."""
     if isinstance(obj, torch.Tensor):

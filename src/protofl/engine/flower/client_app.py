@@ -392,6 +392,16 @@ def keep_state_after_release(cache: dict[str, Any], saved_bytes: bytes) -> dict[
     return {**cache, "after": torch.frombuffer(bytearray(saved_bytes), dtype=torch.uint8)}
 
 
+def forget_state_after_release(cache: dict[str, Any]) -> dict[str, Any]:
+    """``cache`` keeping no state after its release (``after`` False) once the state changes,
+    for a simulated node without node files: its server has no checkpoint to restart from, so
+    it never asks for the same release again, and a request that does is refused
+    (:func:`cached_state_after_release`) instead of answered with another state."""
+    if not cache or cache.get("after") is not None:
+        return cache
+    return {**cache, "after": False}
+
+
 def release_file(path: Path, rnd: int) -> Path:
     """Where a node whose state lives in ``path`` alone keeps the state it saved with its
     round-``rnd`` release, once a later message replaces ``path`` (:func:`keep_release_file`)."""
@@ -447,8 +457,15 @@ def cached_state_after_release(
     """The parts of the state after the cached release that a repeated release restores (not
     :data:`PRIVATE_PARTS`), unpacked afresh; ``saved`` when the cache holds no bytes (the saved
     state is the state after the release); read from the release file in ``folder`` (the node
-    file's) when the cache names one (:func:`keep_release_file`)."""
+    file's) when the cache names one (:func:`keep_release_file`); refused when it kept none
+    (:func:`forget_state_after_release`)."""
     after = cache.get("after")
+    if after is False:
+        raise ValueError(
+            f"round {cache.get('round')}: the release is asked for again, but the state after "
+            "it was not kept (a Flower simulation without a run folder has no checkpoint to "
+            "restart from)"
+        )
     if isinstance(after, str):
         if Path(after).name != after:
             raise ValueError(f"{after!r}: a release file is named within its node's folder")
@@ -637,10 +654,12 @@ def _run(
     # state between messages; a deployed node (one client) keeps both, as a lost file must
     # not restart its ledger and noise stream
     in_context = deployment or not (cfg.run.client_state == "disk" and state_file is not None)
-    # the state saved with a release stays as that node file, hard-linked, where the node files
-    # are this machine's (protofl's simulation, no Ray cluster); a deployed node's Context
-    # holds its bytes, as it must restore it without the file
-    link_release = release_files and not deployment and state_file is not None
+    # where the state saved with a release is kept once a later message changes the state (a
+    # restarted server's repeated release goes back to it): in protofl's simulation on this
+    # machine, as that node file, hard-linked, and without node files (no run folder, so no
+    # server restart) nowhere; a deployed node's Context, or a Ray cluster's, keeps its bytes
+    simulated = release_files and not deployment
+    link_release = simulated and state_file is not None
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.run.threads or 1)
     try:
@@ -696,6 +715,8 @@ def _run(
         elif not again and link_release and state_file is not None:
             # the state after the release changes now: the file the release saved is kept
             cache = keep_release_file(cache, state_file, saved_bytes)
+        elif not again and simulated:
+            cache = forget_state_after_release(cache)
         elif not again:  # ... or (deployed, a Ray cluster, no files) the bytes it was saved as
             cache = keep_state_after_release(cache, saved_bytes)
         state["release_cache"] = cache or None
@@ -736,9 +757,11 @@ def make_client_app(
     (protofl's own simulation: ``<run folder>/nodes``; a node config's ``state-dir`` wins).
     ``release_limit``: releases each client may make (default: ``federation.rounds``, what the
     mechanism was calibrated for); an extended run raises it, on the clients' side.
-    ``release_files``: the node folders are this machine's (protofl's simulation, inline or on
-    a local Ray): the state a client saved with its release is kept as that node file,
-    hard-linked (:func:`keep_release_file`), not as bytes in its Context and later node files.
+    ``release_files``: protofl's simulation with node folders on this machine (inline or on a
+    local Ray): the state a client saved with its release is kept as that node file,
+    hard-linked (:func:`keep_release_file`), not as bytes in its Context and later node files;
+    without node files (no ``state_root``: no run folder, so no server restart) it is not kept
+    (:func:`forget_state_after_release`).
     """
     app = ClientApp()
     deployed = config is None if deployment is None else deployment
