@@ -1407,8 +1407,8 @@ def _spy_node_saves(monkeypatch: pytest.MonkeyPatch) -> dict[Path, list[tuple[in
     real = client_app.save_node_state
     saves: dict[Path, list[tuple[int, bytes]]] = {}
 
-    def spy(path: Path, state: dict[str, Any]) -> None:
-        real(path, state)
+    def spy(path: Path, data: bytes) -> None:
+        real(path, data)
         saves.setdefault(path, []).append((path.stat().st_ino, path.read_bytes()))
 
     monkeypatch.setattr(client_app, "save_node_state", spy)

@@ -339,11 +339,10 @@ def _read_node_state(path: Path) -> tuple[dict[str, Any], bytes] | None:
         raise ValueError(f"{path}: the node's saved client state cannot be read ({exc})") from None
 
 
-def save_node_state(path: Path, state: dict[str, Any] | bytes) -> None:
-    """Write the client state (or its :func:`~protofl.engine.flower.codec.state_bytes`)
-    atomically into the node's state folder, readable by the node's user alone (mode 0600 from
-    creation: in secret mode it holds the noise key)."""
-    data = state if isinstance(state, bytes) else state_bytes(state)
+def save_node_state(path: Path, data: bytes) -> None:
+    """Write a client state's :func:`~protofl.engine.flower.codec.state_bytes` atomically into
+    the node's state folder, readable by the node's user alone (mode 0600 from creation: in
+    secret mode it holds the noise key)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
