@@ -1,7 +1,8 @@
 """ClientApp: local FedProto training, and prototypes released through ``PrototypePrivacy``.
 
 Everything a client keeps between rounds (its model, optimiser, and the privacy object with its
-secret noise key, ledger and DCR teacher) lives in ``context.state``, which stays on the node.
+ledger and DCR teacher; the secret noise key itself never leaves the process) lives in
+``context.state``, which stays on the node.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _setup(context: Context) -> tuple[Net, torch.optim.Optimizer, PrototypePriva
         saved = torch.load(io.BytesIO(context.state["client"]["blob"]), weights_only=True)
         net.load_state_dict(saved["net"])
         opt.load_state_dict(saved["opt"])
-        privacy.load_state_dict(saved["privacy"])  # ledger, noise stream, DCR teacher
+        privacy.load_state_dict(saved["privacy"])  # ledger, release count, DCR teacher
     return net, opt, privacy
 
 

@@ -155,9 +155,12 @@ CASES = {
         "method.params.eval": "prototype",
         "privacy.mechanism": "igpp",
     },
+    # alpha = 1 for the reason given below (with the SHAKE-256 noise draws, alpha = 0.25 grows
+    # one client's rounding differences to 6e-4 in three rounds)
     "fedplvm-igpp": {
         "method.name": "fedplvm",
         "method.params.eval": "prototype",
+        "method.params.alpha": "1.0",
         "privacy.mechanism": "igpp",
     },
     # alpha = 0.25 makes |s|^alpha's gradient ~1e4 near s = 0, which grows float-rounding
@@ -257,7 +260,9 @@ def test_reassociated_frozen_projection_matches_sequential(
     assert [h.client_acc for h in hs] == [h.client_acc for h in hb]
     for x, y in zip(hs, hb):
         assert math.isclose(x.train_loss, y.train_loss, rel_tol=1e-5)
-    assert _max_diff(seq, bat) < ATOL
+    # (P U) h sums in another order than P (U h): the rounding differences reach 2.2e-5 in
+    # three rounds with some noise draws (measured with the SHAKE-256 noise keys)
+    assert _max_diff(seq, bat) < 5 * ATOL
 
 
 def test_reassociation_pays_for_wide_steps_only() -> None:
@@ -355,7 +360,7 @@ def test_engine_hooks_match_sequential() -> None:
         assert twin.last_mia[name] == pytest.approx(scores, rel=1e-3, abs=1e-3)
     for c, d in zip(sim.clients, twin.clients):
         assert c.ledger.state_dict() == d.ledger.state_dict()
-        assert torch.equal(c.noise_gen.get_state(), d.noise_gen.get_state())
+        assert c.noise_gen.state_dict() == d.noise_gen.state_dict()
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])

@@ -14,6 +14,7 @@ from protofl.engine.federated_data import build_federated_data
 from protofl.engine.round import eval_subsample
 from protofl.engine.simulation import Simulation
 from protofl.methods.checks import tiny_config
+from protofl.privacy.noise import NoiseKey, draw_normal
 from protofl.seeding import Stream, derive_seed, generator
 
 
@@ -75,14 +76,14 @@ def test_the_mechanism_gets_cpu_features_and_draws_from_cpu_generators() -> None
 def test_noise_is_the_cpu_generators_draw() -> None:
     sim = _sim(mechanism="igpp")
     clip = sim.config.privacy.clip
-    before = [c.noise_gen.get_state() for c in sim.clients]
+    before = [c.noise_gen.state_dict() for c in sim.clients]
     feats = sim.upload_features(sim.clients)  # round 1 releases the untrained models' features
     sim.run_round()
     for c, f, state, release in zip(sim.clients, feats, before, sim.releases[0]):
         assert release is not None
-        replay = torch.Generator()
-        replay.set_state(state)
-        noise = torch.randn(release.prototypes.shape, generator=replay)
+        replay = NoiseKey.derived(0, 0)
+        replay.load_state_dict(state)
+        noise = draw_normal(replay, tuple(release.prototypes.shape), "gaussian", torch.float32)
         clipped = f * (clip / f.norm(dim=1, keepdim=True)).clamp(max=1.0)
         means = torch.stack([clipped[c.data.train_y == k].mean(dim=0) for k in release.classes])
         torch.testing.assert_close(

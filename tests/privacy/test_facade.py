@@ -64,7 +64,10 @@ def test_budget_state_dcr_and_noise_key() -> None:
     again.load_state_dict(state)
     a = privacy.release(x, y, num_classes=3)
     b = again.release(x, y, num_classes=3)
-    assert torch.equal(a.prototypes, b.prototypes)  # the restored secret stream continues
+    # the state holds no secret key: the restored facade draws fresh noise, never a replay
+    assert "key" not in state["generator"]
+    assert not torch.equal(a.prototypes, b.prototypes)
+    assert again.epsilon_spent() == pytest.approx(privacy.epsilon_spent())
     assert privacy.epsilon_spent() == pytest.approx(1.0, rel=1e-3)
     with pytest.raises(RuntimeError, match="releases of the budget are spent"):
         privacy.release(x, y, num_classes=3)
@@ -101,3 +104,67 @@ def test_bad_features_name_the_client_and_the_limit() -> None:
     privacy.release(torch.randn(10, 16), y, num_classes=2)
     with pytest.raises(RuntimeError, match="site-a: all 1 releases of the budget are spent"):
         privacy.release(torch.randn(10, 16), y, num_classes=2)
+
+
+def _data(n: int = 60, d: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, d, generator=g) * 3, torch.arange(n) % 3
+
+
+def test_loading_an_older_state_and_releasing_again_does_not_replay_noise() -> None:
+    """Issue 41: the difference of two releases equalled the difference of the clean
+    prototypes (the noise cancelled) after restoring an older state_dict."""
+    x, y = _data()
+    privacy = PrototypePrivacy(epsilon=1.0, rounds=4, dim=16, mechanism="igpp", clip=1.0)
+    old = privacy.state_dict()
+    first = privacy.release(x, y, num_classes=3)
+    restored = PrototypePrivacy(epsilon=1.0, rounds=4, dim=16, mechanism="igpp", clip=1.0)
+    restored.load_state_dict(old)
+    x2 = x + 0.5
+    second = restored.release(x2, y, num_classes=3)
+    clean = restored.mechanism.noiseless_release(x, y, num_classes=3).prototypes  # type: ignore[attr-defined]
+    clean2 = restored.mechanism.noiseless_release(x2, y, num_classes=3).prototypes  # type: ignore[attr-defined]
+    gap = (second.prototypes - first.prototypes) - (clean2 - clean)
+    assert float(gap.abs().max()) > 0.5 * float(first.noise_std.min())  # the noise did not cancel
+    # rolling a facade back to an earlier state of its own is refused
+    with pytest.raises(ValueError, match="roll the ledger back"):
+        privacy.load_state_dict(old)
+
+
+def test_state_dict_is_a_copy_and_restored_states_charge_every_release() -> None:
+    x, y = _data()
+    privacy = PrototypePrivacy(epsilon=1.0, rounds=4, dim=16, mechanism="igpp", clip=1.0)
+    privacy.release(x, y, num_classes=3)
+    state = privacy.state_dict()
+    privacy.release(x, y, num_classes=3)  # must not change the saved state
+    assert len(state["ledger"]["entries"]) == 1 and state["releases_made"] == 1
+    restored = PrototypePrivacy(epsilon=1.0, rounds=4, dim=16, mechanism="igpp", clip=1.0)
+    restored.load_state_dict(state)
+    for _ in range(3):
+        restored.release(x, y, num_classes=3)
+    assert len(restored.ledger.entries) == 4
+    assert restored.epsilon_spent() == pytest.approx(1.0, rel=1e-3)  # 4 releases, budget 1
+
+
+def test_half_precision_features_are_clipped_and_noised_in_float32() -> None:
+    x, y = _data()
+    privacy = PrototypePrivacy(epsilon=1e6, rounds=1, dim=16, mechanism="igpp", clip=5.0)
+    rel = privacy.release((x * 10).half(), y, num_classes=3)
+    assert rel.prototypes.dtype == torch.float32
+    assert float(rel.prototypes.norm(dim=1).max()) <= 5.0 + 1e-3
+
+
+def test_inputs_are_checked_naming_the_argument() -> None:
+    x, y = _data()
+    privacy = PrototypePrivacy(epsilon=1.0, rounds=2, dim=16, mechanism="igpp", name="site-b")
+    rel = privacy.release(x.numpy(), y.numpy(), num_classes=3)  # numpy works
+    assert rel.prototypes.shape == (3, 16)
+    with pytest.raises(TypeError, match="site-b: features must be floating point"):
+        privacy.release(x.long(), y, num_classes=3)
+    with pytest.raises(TypeError, match="site-b: labels must be integer"):
+        privacy.release(x, y.float(), num_classes=3)
+    with pytest.raises(TypeError, match=r"site-b: features must be a torch\.Tensor"):
+        privacy.release(x.tolist(), y, num_classes=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="site-b: labels are on meta"):
+        privacy.release(x, y.to("meta"), num_classes=3)
+    assert privacy.releases_made == 1  # refused inputs cost nothing

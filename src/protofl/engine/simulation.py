@@ -44,7 +44,7 @@ from protofl.privacy import create_mechanism
 from protofl.privacy.base import Mechanism, Release
 from protofl.privacy.guarantee import describe_guarantee
 from protofl.privacy.ledger import PrivacyLedger
-from protofl.privacy.noise import noise_generator, resolve_noise_mode
+from protofl.privacy.noise import NoiseKey, noise_key, resolve_noise_mode, restore_noise_key
 from protofl.report.norms import feature_norm_stats
 from protofl.seeding import Stream, derive_seed, generator
 
@@ -66,7 +66,7 @@ class Client:
     state: ClientState
     ledger: PrivacyLedger
     train_gen: torch.Generator
-    noise_gen: torch.Generator
+    noise_gen: NoiseKey
     dcr: Any = None
 
 
@@ -214,7 +214,7 @@ class Simulation:
                         delta=config.privacy.delta, accountant=config.privacy.accountant
                     ),
                     train_gen=generator(config.seed, Stream.TRAIN, cd.client),
-                    noise_gen=noise_generator(self.noise_mode, config.seed, cd.client),
+                    noise_gen=noise_key(self.noise_mode, config.seed, cd.client),
                     dcr=dcr,
                 )
             )
@@ -676,6 +676,8 @@ class Simulation:
             shares_weights=self.method.shares_weights,
             uses_prototypes=self.method.uses_prototypes,
             other_uploads=self.method.extra_uploads,
+            # every round's per-client accuracy is in metrics.jsonl, the server's view
+            evaluation_reported=True,
         )
 
     def run(
@@ -720,7 +722,7 @@ class Simulation:
                     "state": st,
                     "ledger": c.ledger.state_dict(),
                     "train_gen": c.train_gen.get_state(),
-                    "noise_gen": c.noise_gen.get_state(),
+                    "noise_gen": c.noise_gen.state_dict(),
                     "dcr": None if c.dcr is None else c.dcr.state_dict(),
                 }
                 for c, st in zip(self.clients, states)
@@ -758,7 +760,7 @@ class Simulation:
             c.state.tensors = to_device(dict(cs["state"]), self.device)
             c.ledger.load_state_dict(cs["ledger"])
             c.train_gen.set_state(cs["train_gen"])
-            c.noise_gen.set_state(cs["noise_gen"])
+            c.noise_gen = restore_noise_key(c.noise_gen, cs["noise_gen"], where="the checkpoint")
             if c.dcr is not None:
                 c.dcr.load_state_dict(cs["dcr"])
         self.offload_state(self.clients)

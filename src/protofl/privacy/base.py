@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import torch
 
 from protofl.privacy.config import PrivacyConfig
+from protofl.privacy.noise import NoiseSource
 from protofl.registry import Registry
 
 ClusterFn = Callable[[torch.Tensor], torch.Tensor]
@@ -78,7 +79,7 @@ class Mechanism(ABC):
         labels: torch.Tensor,
         *,
         num_classes: int,
-        generator: torch.Generator,
+        generator: NoiseSource,
         client: str = "client",
         cluster_fn: ClusterFn | None = None,
     ) -> Release:
@@ -118,7 +119,7 @@ class Mechanism(ABC):
         labels: Sequence[torch.Tensor],
         *,
         num_classes: int,
-        generators: Sequence[torch.Generator],
+        generators: Sequence[NoiseSource],
         clients: Sequence[str],
         cluster_fn: ClusterFn | None = None,
         vectorise: bool = True,
@@ -161,7 +162,7 @@ class Mechanism(ABC):
         features: Sequence[torch.Tensor],
         labels: Sequence[torch.Tensor],
         num_classes: int,
-        generators: Sequence[torch.Generator],
+        generators: Sequence[NoiseSource],
         clients: Sequence[str],
     ) -> list[Release]:
         """The vectorised release (mechanisms with ``vectorised`` true implement it)."""
@@ -267,7 +268,7 @@ def vectorisable(
     config: PrivacyConfig,
     features: Sequence[torch.Tensor],
     labels: Sequence[torch.Tensor],
-    generators: Sequence[torch.Generator],
+    generators: Sequence[NoiseSource],
     num_classes: int,
     cluster_fn: ClusterFn | None,
 ) -> bool:
@@ -348,7 +349,7 @@ class NoPrivacy(Mechanism):
         labels: torch.Tensor,
         *,
         num_classes: int,
-        generator: torch.Generator,
+        generator: NoiseSource,
         client: str = "client",
         cluster_fn: ClusterFn | None = None,
     ) -> Release:
@@ -373,7 +374,7 @@ class NoPrivacy(Mechanism):
         features: Sequence[torch.Tensor],
         labels: Sequence[torch.Tensor],
         num_classes: int,
-        generators: Sequence[torch.Generator],
+        generators: Sequence[NoiseSource],
         clients: Sequence[str],
     ) -> list[Release]:
         for f, client in zip(features, clients):

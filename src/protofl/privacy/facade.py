@@ -23,9 +23,11 @@ The numbers are protofl's own engine's: the same mechanism, the same draws in th
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -34,7 +36,7 @@ from protofl.privacy.config import PrivacyConfig
 from protofl.privacy.dcr import DCR
 from protofl.privacy.guarantee import describe_guarantee
 from protofl.privacy.ledger import PrivacyLedger
-from protofl.privacy.noise import NOISE_KEY_NOTES, noise_seed, resolve_noise_mode
+from protofl.privacy.noise import NOISE_KEY_NOTES, noise_key, resolve_noise_mode
 
 
 class PrototypePrivacy:
@@ -90,9 +92,8 @@ class PrototypePrivacy:
         if self.noise_key == "derived" and seed is None:
             raise ValueError("noise_seed='derived' needs seed= (and client=) to derive the key")
         self.mechanism: Mechanism = create_mechanism(config, rounds=rounds, dim=dim)
-        self.generator = torch.Generator().manual_seed(
-            noise_seed(self.noise_key, 0 if seed is None else seed, client)
-        )
+        # a 256-bit key, ratcheted after every draw; a secret one never leaves this object
+        self.generator = noise_key(self.noise_key, 0 if seed is None else seed, client)
         self.ledger = PrivacyLedger(delta=config.delta, accountant=config.accountant)
         self.releases_made = 0
         self._dcr: DCR | None = None
@@ -121,22 +122,66 @@ class PrototypePrivacy:
         ``prototypes``, ``classes``, ``counts`` (and, if your server validates them,
         ``sensitivity``/``noise_std``/``events``); never its ``diagnostics``.
         """
+        features, labels = self._inputs(features, labels)
         if self.releases_made >= self.rounds:
             raise RuntimeError(
                 f"{self.name}: all {self.rounds} releases of the budget are spent "
                 f"(epsilon {self.epsilon_spent():.4g}); another one would exceed it"
             )
-        out = self.mechanism.release(
-            features.detach(),
-            labels,
-            num_classes=num_classes,
-            generator=self.generator,
-            client=self.name,
-            cluster_fn=cluster_fn,
-        )
-        self.ledger.record(self.releases_made, out)
+        # the release slot is taken before any noise is drawn: a release that fails after its
+        # first draw still counts (conservative; one refused before any draw, e.g. for bad
+        # input, does not), and nothing is returned before the ledger holds it
+        index, draws = self.releases_made, self.generator.draws
         self.releases_made += 1
+        try:
+            out = self.mechanism.release(
+                features,
+                labels,
+                num_classes=num_classes,
+                generator=self.generator,
+                client=self.name,
+                cluster_fn=cluster_fn,
+            )
+        except Exception:
+            if self.generator.draws == draws:
+                self.releases_made = index
+            raise
+        self.ledger.record(index, out)
         return out
+
+    def _inputs(self, features: Any, labels: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``features`` as a floating tensor of at least float32 precision (clipping and noise
+        in float16 would round the clip bound and the noise), ``labels`` as int64 on the same
+        device; numpy arrays are converted; anything else is refused naming the argument."""
+        if isinstance(features, np.ndarray):
+            features = torch.from_numpy(np.ascontiguousarray(features))
+        if isinstance(labels, np.ndarray):
+            labels = torch.from_numpy(np.ascontiguousarray(labels))
+        if not isinstance(features, torch.Tensor):
+            raise TypeError(
+                f"{self.name}: features must be a torch.Tensor or numpy array, got "
+                f"{type(features).__name__}"
+            )
+        if not isinstance(labels, torch.Tensor):
+            raise TypeError(
+                f"{self.name}: labels must be a torch.Tensor or numpy array, got "
+                f"{type(labels).__name__}"
+            )
+        if not features.is_floating_point():
+            raise TypeError(
+                f"{self.name}: features must be floating point, got {features.dtype} "
+                "(pass the feature vectors, not indices or quantised values)"
+            )
+        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+            raise TypeError(f"{self.name}: labels must be integer class ids, got {labels.dtype}")
+        if labels.device != features.device:
+            raise ValueError(
+                f"{self.name}: labels are on {labels.device} but features on "
+                f"{features.device}; move both to one device"
+            )
+        if features.dtype in (torch.float16, torch.bfloat16):
+            features = features.float()
+        return features.detach(), labels.to(torch.long)
 
     def epsilon_spent(self) -> float:
         """Epsilon at the configured delta of every release made so far (0 before the first)."""
@@ -167,23 +212,27 @@ class PrototypePrivacy:
 
     # ----- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything to continue exactly: ledger, release count, mechanism state, the noise
-        generator (in secret mode this holds the client's key: keep the checkpoint private),
-        DCR teacher."""
-        mech = self.mechanism.state_dict()
-        return {
-            "config": dataclasses.asdict(self.config),
-            "rounds": self.rounds,
-            "noise_key": self.noise_key,
-            "releases_made": self.releases_made,
-            "ledger": self.ledger.state_dict(),
-            "mechanism": mech,
-            "generator": self.generator.get_state(),
-            "dcr": None if self._dcr is None else self._dcr.state_dict(),
-        }
+        """Everything to continue: ledger, release count, mechanism state, DCR teacher, and the
+        noise key's state: a derived key's (reproducible from seed and client anyway), for a
+        secret key only its draw count, never the key (a restored facade draws fresh noise).
+        The returned dict is a copy: later releases do not change it."""
+        return copy.deepcopy(
+            {
+                "config": dataclasses.asdict(self.config),
+                "rounds": self.rounds,
+                "noise_key": self.noise_key,
+                "releases_made": self.releases_made,
+                "ledger": self.ledger.state_dict(),
+                "mechanism": self.mechanism.state_dict(),
+                "generator": self.generator.state_dict(),
+                "dcr": None if self._dcr is None else self._dcr.state_dict(),
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict`; refuses a state made with other settings."""
+        """Restore from :meth:`state_dict`; refuses a state made with other settings, and one
+        with fewer releases than this object has made (a rollback would undercount the budget
+        and, with a derived key, replay noise)."""
         mine = dataclasses.asdict(self.config)
         diff = sorted(k for k in mine if state["config"].get(k) != mine[k])
         if diff or state["rounds"] != self.rounds or state["noise_key"] != self.noise_key:
@@ -195,11 +244,29 @@ class PrototypePrivacy:
                     if state["rounds"] != self.rounds
                     else ""
                 )
+                + (
+                    f"; noise key {state['noise_key']!r} != {self.noise_key!r}"
+                    if state["noise_key"] != self.noise_key
+                    else ""
+                )
             )
-        self.releases_made = int(state["releases_made"])
+        saved = int(state["releases_made"])
+        if saved < self.releases_made:
+            raise ValueError(
+                f"{self.name}: the state holds {saved} releases but {self.releases_made} were "
+                "already made here; loading it would roll the ledger back (refused)"
+            )
+        generator = state.get("generator")
+        if not isinstance(generator, dict):
+            raise ValueError(
+                f"{self.name}: the state's noise generator is from an older protofl (a 32-bit "
+                "torch generator, which may hold the secret key); it cannot be loaded"
+            )
+        state = copy.deepcopy(state)
+        self.generator.load_state_dict(generator)
+        self.releases_made = saved
         self.ledger.load_state_dict(state["ledger"])
         self.mechanism.load_state_dict(state["mechanism"])
-        self.generator.set_state(state["generator"])
         if state.get("dcr") is not None:
             if self._dcr is None:
                 raise ValueError("the state holds a DCR teacher: call dcr(head) before loading")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -60,11 +61,11 @@ class PrivacyLedger:
         return eps
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-safe state."""
+        """JSON-safe state: a copy (later releases do not change a saved state)."""
         return {
             "delta": self.delta,
             "accountant": self.accountant,
-            "entries": self.entries,
+            "entries": copy.deepcopy(self.entries),
             "private": self.private,
         }
 
@@ -72,6 +73,6 @@ class PrivacyLedger:
         """Restore from ``state_dict``."""
         self.delta = state["delta"]
         self.accountant = state["accountant"]
-        self.entries = list(state["entries"])
+        self.entries = copy.deepcopy(list(state["entries"]))
         self.private = state["private"]
         self._cache = None

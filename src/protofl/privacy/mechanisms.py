@@ -37,6 +37,7 @@ from protofl.privacy.base import (
     group_means,
 )
 from protofl.privacy.config import PrivacyConfig
+from protofl.privacy.noise import NoiseSource, draw_laplace, draw_normal, draw_permutation
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +103,9 @@ def anova_scores(
     return (v_ter / (c - 1)) / (within + zeta_eff)  # Eq. (8)
 
 
-def laplace_noise(shape: tuple[int, ...], scale: float, generator: torch.Generator) -> torch.Tensor:
-    """Lap(scale) samples (float64) as scale*(E1 - E2), E1, E2 ~ Exp(1) from ``generator``."""
-    u = torch.rand((2, *shape), generator=generator, device=generator.device, dtype=torch.float64)
-    e = -torch.log1p(-u)  # Exp(1); u < 1 so finite
-    return scale * (e[0] - e[1])
+def laplace_noise(shape: tuple[int, ...], scale: float, generator: NoiseSource) -> torch.Tensor:
+    """Lap(scale) samples (float64, CPU) as scale*(E1 - E2), E1, E2 ~ Exp(1) from ``generator``."""
+    return draw_laplace(generator, shape, scale, "vpp-selection")
 
 
 def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -116,10 +115,10 @@ def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     return mask
 
 
-def random_mask(dim: int, k: int, generator: torch.Generator) -> torch.Tensor:
+def random_mask(dim: int, k: int, generator: NoiseSource) -> torch.Tensor:
     """A uniformly random k-subset of the dimensions (data-independent)."""
     mask = torch.zeros(dim, dtype=torch.bool)
-    mask[torch.randperm(dim, generator=generator, device=generator.device)[:k].cpu()] = True
+    mask[draw_permutation(generator, dim, "random-partition")[:k]] = True
     return mask
 
 
@@ -256,20 +255,20 @@ class _PrototypeMechanism(Mechanism):
             )
 
     def _noisy(
-        self, built: _Built, generator: torch.Generator, dtype: torch.dtype
+        self, built: _Built, generator: NoiseSource, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Add the Gaussian noise; returns (prototypes, classes, counts, sensitivity, std)."""
-        noise = torch.randn(
-            built.protos.shape, generator=generator, device=generator.device, dtype=dtype
-        ).to(built.protos.device)
+        noise = draw_normal(generator, tuple(built.protos.shape), "gaussian", dtype).to(
+            built.protos.device
+        )
         cfg = self.config
         if cfg.neighbouring == "add_remove" and cfg.addremove_counts == "noisy":
             n_true = built.counts.to(device=built.protos.device, dtype=dtype).clamp_min(1.0)
             sums = built.protos * n_true.unsqueeze(1)
             std_sum = built.noise_std * n_true.unsqueeze(1)
             noisy_sum = sums + noise * std_sum
-            count_noise = torch.randn(
-                (built.protos.shape[0],), generator=generator, device=generator.device, dtype=dtype
+            count_noise = draw_normal(
+                generator, (built.protos.shape[0],), "gaussian-count", dtype
             ).to(built.protos.device)
             noisy_n = (
                 built.counts.to(built.protos.device, dtype)
@@ -296,7 +295,7 @@ class _PrototypeMechanism(Mechanism):
         self,
         built: _Built,
         *,
-        generator: torch.Generator,
+        generator: NoiseSource,
         client: str,
         dtype: torch.dtype,
         events: list[dict[str, Any]],
@@ -373,7 +372,7 @@ class _PrototypeMechanism(Mechanism):
         features: Sequence[torch.Tensor],
         labels: Sequence[torch.Tensor],
         num_classes: int,
-        generators: Sequence[torch.Generator],
+        generators: Sequence[NoiseSource],
         clients: Sequence[str],
     ) -> list[Release]:
         dim = self.dim
@@ -394,7 +393,7 @@ class _PrototypeMechanism(Mechanism):
         seg: torch.Tensor,
         sizes: list[int],
         num_classes: int,
-        generators: Sequence[torch.Generator],
+        generators: Sequence[NoiseSource],
         clients: Sequence[str],
         infos: list[dict[str, float]],
         diags: list[dict[str, float]],
@@ -473,7 +472,7 @@ class IGPP(_PrototypeMechanism):
         labels: torch.Tensor,
         *,
         num_classes: int,
-        generator: torch.Generator,
+        generator: NoiseSource,
         client: str = "client",
         cluster_fn: ClusterFn | None = None,
     ) -> Release:
@@ -505,7 +504,7 @@ class IGPP(_PrototypeMechanism):
         seg: torch.Tensor,
         sizes: list[int],
         num_classes: int,
-        generators: Sequence[torch.Generator],
+        generators: Sequence[NoiseSource],
         clients: Sequence[str],
         infos: list[dict[str, float]],
         diags: list[dict[str, float]],
@@ -618,7 +617,7 @@ class VPP(_PrototypeMechanism):
     def _select(
         self,
         raw: torch.Tensor,
-        generator: torch.Generator,
+        generator: NoiseSource,
         client: str,
         num_classes: int,
     ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
@@ -637,7 +636,7 @@ class VPP(_PrototypeMechanism):
             self._partitions[client] = mask
         return mask, [{"kind": "pure", "epsilon": self.budget.eps_select}]
 
-    def _history_mask(self, client: str, generator: torch.Generator) -> torch.Tensor:
+    def _history_mask(self, client: str, generator: NoiseSource) -> torch.Tensor:
         h = self._history.get(client)
         if h is not None:
             seen = h["n"] > 0
@@ -728,7 +727,7 @@ class VPP(_PrototypeMechanism):
         labels: torch.Tensor,
         *,
         num_classes: int,
-        generator: torch.Generator,
+        generator: NoiseSource,
         client: str = "client",
         cluster_fn: ClusterFn | None = None,
     ) -> Release:
@@ -770,7 +769,7 @@ class VPP(_PrototypeMechanism):
         seg: torch.Tensor,
         sizes: list[int],
         num_classes: int,
-        generators: Sequence[torch.Generator],
+        generators: Sequence[NoiseSource],
         clients: Sequence[str],
         infos: list[dict[str, float]],
         diags: list[dict[str, float]],
@@ -798,11 +797,9 @@ class VPP(_PrototypeMechanism):
                 draw.append(i)
         if draw:
             # one-shot Laplace top-k (Theorem 4.1): the draws of laplace_noise, client by client
-            u = torch.empty(len(draw), 2, d, dtype=torch.float64)
-            for j, i in enumerate(draw):
-                torch.rand((2, d), generator=generators[i], dtype=torch.float64, out=u[j])
-            e = -torch.log1p(-u)
-            lap = self.budget.laplace_scale * (e[:, 0] - e[:, 1])
+            lap = torch.stack(
+                [laplace_noise((d,), self.budget.laplace_scale, generators[i]) for i in draw]
+            )
             idx = torch.tensor(draw)
             bounded = torch.stack([self.bounded_scores(raw[i]) for i in draw])
             chosen = _topk_masks(bounded + lap, self.k)
@@ -913,7 +910,7 @@ def release_many(
     labels: Sequence[torch.Tensor],
     *,
     num_classes: int,
-    generators: Sequence[torch.Generator],
+    generators: Sequence[NoiseSource],
     clients: Sequence[str],
     cluster_fn: ClusterFn | None = None,
 ) -> list[Release]:
@@ -962,7 +959,7 @@ def _private_many(
     features: Sequence[torch.Tensor],
     labels: Sequence[torch.Tensor],
     num_classes: int,
-    generators: Sequence[torch.Generator],
+    generators: Sequence[NoiseSource],
     clients: Sequence[str],
 ) -> list[Release]:
     sizes = [int(f.shape[0]) for f in features]
@@ -981,7 +978,7 @@ def _private_block(
     features: Sequence[torch.Tensor],
     labels: Sequence[torch.Tensor],
     num_classes: int,
-    generators: Sequence[torch.Generator],
+    generators: Sequence[NoiseSource],
     clients: Sequence[str],
 ) -> list[Release]:
     cfg = mech.config
@@ -1007,9 +1004,7 @@ def _private_block(
     start = 0
     for i in range(m):
         # the draw of _noisy, client by client
-        torch.randn(
-            (per[i], d), generator=generators[i], dtype=dtype, out=noise[start : start + per[i]]
-        )
+        noise[start : start + per[i]] = draw_normal(generators[i], (per[i], d), "gaussian", dtype)
         start += per[i]
     noisy = protos + noise * noise_std
     small = (counts < cfg.warn_min_count).tolist() if cfg.warn_min_count > 0 else None
