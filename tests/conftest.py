@@ -14,5 +14,8 @@ def _isolated_home(
 ) -> Path:
     home = tmp_path_factory.mktemp("protofl-home")
     monkeypatch.setenv("PROTOFL_HOME", str(home))
+    # deployed test nodes allow a large budget across runs unless a test sets its own
+    # (tests/engine/flower/test_node_ledger.py); the default of a real node is epsilon 1
+    monkeypatch.setenv("PROTOFL_NODE_BUDGET", "1e6")
     torch.set_num_threads(1)
     return home

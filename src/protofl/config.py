@@ -160,6 +160,10 @@ class BackboneConfig:
 OPTIMIZERS = ("adamw", "sgd")
 """Local optimisers (``federation.optimizer``)."""
 
+WEIGHTINGS = ("samples", "uniform", "declared")
+"""Where a client's aggregation weight comes from on the Flower engine
+(``federation.weighting``; implemented by ``protofl.engine.flower.strategy``)."""
+
 
 @dataclass(frozen=True)
 class FederationConfig:
@@ -190,6 +194,15 @@ class FederationConfig:
     # sets) on a fixed seeded subsample of each test set of this many samples (0: all of it)
     eval_every: int = 1
     eval_samples: int = 0
+    # a client's aggregation weight on the Flower engine, whose server cannot see the data
+    # (the in-process engine trusts its own clients and weights by their true counts):
+    # samples (its sample count: the partition plan's where the server built it, else its
+    # self-declared count capped at weight_cap x the lower median of the registered counts) |
+    # uniform (every client alike) | declared (declared_counts, fixed by the operator; a node
+    # registering another count is refused).  docs/distributed.md says what each defends
+    weighting: str = "samples"
+    weight_cap: float = 10.0  # a multiple of the median (>= 1); 0: no cap
+    declared_counts: dict[str, int] = field(default_factory=dict)  # partition id -> samples
 
     def __post_init__(self) -> None:
         check_range("federation.rounds", self.rounds, low=1)
@@ -219,6 +232,50 @@ class FederationConfig:
         for client, scale in self.poison.items():
             if not isinstance(scale, int | float) or isinstance(scale, bool):
                 raise ConfigError(f"federation.poison.{client} must be a number, got {scale!r}")
+        self._check_weighting()
+
+    def _check_weighting(self) -> None:
+        check_choice("federation.weighting", self.weighting, WEIGHTINGS)
+        cap = self.weight_cap
+        if cap != 0 and not cap >= 1:  # NaN fails too
+            raise ConfigError(
+                f"federation.weight_cap={cap!r} is out of range; allowed: 0 (no cap) or a "
+                "multiple of the median >= 1"
+            )
+        counts: dict[str, int] = {}
+        for key, value in self.declared_counts.items():
+            part = str(key).strip()
+            if isinstance(key, bool) or not part.isdigit():
+                raise ConfigError(
+                    f"federation.declared_counts: {key!r} is not a partition id (an integer "
+                    ">= 0); write {partition id: sample count}"
+                )
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(
+                    f"federation.declared_counts.{part}={value!r}: a sample count is an "
+                    "integer >= 1"
+                )
+            if str(int(part)) in counts:
+                raise ConfigError(
+                    f"federation.declared_counts: partition {int(part)} appears twice"
+                )
+            counts[str(int(part))] = value
+        # string keys: the same in YAML, JSON (the run record) and a resumed run's config
+        object.__setattr__(self, "declared_counts", dict(sorted(counts.items(), key=_as_int)))
+        if self.weighting == "declared" and not counts:
+            raise ConfigError(
+                "federation.weighting=declared needs federation.declared_counts (partition id "
+                "-> sample count, e.g. {0: 160, 1: 160})"
+            )
+        if counts and self.weighting != "declared":
+            raise ConfigError(
+                "federation.declared_counts is read only with federation.weighting=declared "
+                f"(it is {self.weighting!r})"
+            )
+
+
+def _as_int(item: tuple[str, int]) -> int:
+    return int(item[0])
 
 
 @dataclass(frozen=True)
@@ -237,6 +294,9 @@ class RunConfig:
     save_releases: bool = True
     progress: bool = True
     tensorboard: bool = False
+    # opt-in: protofl's Flower simulation clients send their local-only diagnostics (VPP's
+    # partition overlap, the training loss) to the server; the guarantee then says NOT covered
+    diagnostics: bool = False
     mia_every: int = 0  # run the membership-inference attack every k rounds (0: off)
     threads: int | None = None  # None: all cores for feature extraction, 1 for training
     # the headline accuracy: final (the last round, VPDR) | last5 (mean of the last 5, FedDAP)
@@ -292,6 +352,12 @@ class ExperimentConfig:
         check_range("seed", self.seed, low=0)
         if self.preset is not None:
             check_preset(self.preset, self.data.name)
+        if self.federation.weighting == "declared" and not self.privacy.counts_public:
+            raise ConfigError(
+                "federation.weighting=declared weights clients by exact sample counts, which "
+                "privacy.neighbouring=add_remove with privacy.addremove_counts=noisy keeps "
+                "private; use samples or uniform"
+            )
         if self.run.client_state == "disk" and self.federation.execution != "batched":
             raise ConfigError(
                 "run.client_state=disk keeps client state in a memory-mapped store the batched "

@@ -10,7 +10,13 @@ from rich.console import Console
 from protofl.engine.runner import run_experiment
 from protofl.methods.checks import tiny_config
 from protofl.privacy import PrivacyConfig
-from protofl.privacy.guarantee import CLUSTER_GAP, WEIGHTS_GAP, describe_guarantee
+from protofl.privacy.guarantee import (
+    CLUSTER_GAP,
+    DIAGNOSTICS_GAP,
+    EVALUATION_GAP,
+    WEIGHTS_GAP,
+    describe_guarantee,
+)
 from protofl.report.console import print_summary
 
 
@@ -44,4 +50,14 @@ def test_summary_and_console_state_the_guarantee(tmp_path: Path) -> None:
     local = tiny_config("fedplvm", "igpp", rounds=1).with_overrides(
         ["method.params.local_clustering=false", "privacy.noise_seed=secret"]
     )
-    assert run_experiment(local, out=tmp_path).summary["privacy"]["guarantee"]["complete"]
+    g = run_experiment(local, out=tmp_path).summary["privacy"]["guarantee"]
+    assert g["not_covered"] == [EVALUATION_GAP]  # only the simulator's reported accuracies
+
+
+def test_evaluation_and_diagnostics_reaching_the_server_make_the_guarantee_incomplete() -> None:
+    cfg = PrivacyConfig(mechanism="igpp", epsilon=1.0)
+    g = describe_guarantee(cfg, noise_key="secret", rounds=20, evaluation_reported=True)
+    assert EVALUATION_GAP in g["not_covered"] and not g["complete"]
+    assert not g["holds_against_server"]
+    d = describe_guarantee(cfg, noise_key="secret", rounds=20, diagnostics_reported=True)
+    assert DIAGNOSTICS_GAP in d["not_covered"] and "NOT covered: diagnostics" in d["statement"]

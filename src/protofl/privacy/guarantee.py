@@ -28,6 +28,15 @@ EVALUATION_SCOPE = (
     "the test split: per-client accuracy and test-set size are reported for evaluation; the "
     "guarantee protects the training data"
 )
+EVALUATION_GAP = (
+    "per-client evaluation: each reported accuracy is measured with a model trained on the "
+    "client's private data and sent without noise; whoever replays training from the config "
+    "can tell neighbouring data sets apart from it"
+)
+DIAGNOSTICS_GAP = (
+    "diagnostics: values computed on the private data outside any mechanism (VPP's partition "
+    "overlap, the training loss) reached the server (run.diagnostics=true)"
+)
 
 
 def describe_guarantee(
@@ -39,13 +48,17 @@ def describe_guarantee(
     shares_weights: bool = False,
     uses_prototypes: bool = True,
     other_uploads: Sequence[str] = (),
+    evaluation_reported: bool = False,
+    diagnostics_reported: bool = False,
 ) -> dict[str, Any]:
     """The per-client guarantee of a run, with what it does not cover.
 
     ``noise_key``: the resolved mode (``derived``/``secret``); ``clustered``: releases are per
     data-dependent cluster; ``shares_weights``: the method uploads model weights;
     ``other_uploads``: what else the method sends outside the mechanism (``"name: what"``
-    each, a method's ``extra_uploads``), computed from the private data and not covered.
+    each, a method's ``extra_uploads``), computed from the private data and not covered;
+    ``evaluation_reported``: per-client accuracies of the trained models reach the server (or
+    whoever reads the run's metrics); ``diagnostics_reported``: local-only diagnostics did.
     """
     gaps: list[str] = []
     if shares_weights:
@@ -68,6 +81,10 @@ def describe_guarantee(
         gaps.append(CLUSTER_GAP)
     if noise_key == "derived":
         gaps.append(DERIVED_GAP)
+    if evaluation_reported:
+        gaps.append(EVALUATION_GAP)
+    if diagnostics_reported:
+        gaps.append(DIAGNOSTICS_GAP)
     complete = not gaps
     counts = {
         "replace_one": "class counts released exactly (public under replace-one)",

@@ -32,11 +32,18 @@ from protofl.engine.flower.inline import InlineGrid
 from protofl.engine.flower.run import run_flower_simulation
 from protofl.engine.flower.server_app import ServerOutcome, run_flower_server
 from protofl.engine.simulation import RoundMetrics, Simulation
-from protofl.methods.checks import tiny_config
+from protofl.methods.checks import tiny_config as _tiny_config
 
 # diagnostics the Flower engine does not report: wall time, and feature-norm quantiles (a local
 # diagnostic outside the DP guarantee, which must not leave the client)
 NOT_COMPARED = ("wall_s", "feature_norms")
+
+
+def tiny_config(*args: Any, **kwargs: Any) -> Any:
+    """``tiny_config`` with the clients' diagnostics opted in (``run.diagnostics``): these tests
+    compare protofl's Flower simulation with the in-process simulator, training loss and VPP's
+    overlap included; a deployed client never sends them either way."""
+    return _tiny_config(*args, **kwargs).with_overrides(["run.diagnostics=true"])
 
 
 def _nan_as_text(value: Any) -> Any:
@@ -819,14 +826,14 @@ def test_a_flower_process_keeps_no_client_state_between_messages_beyond_what_it_
     assert len(list(nodes.glob("partition-*/protofl-client-*.pt"))) == 4
 
 
-def test_a_client_that_never_trains_writes_no_state_unless_it_drew_a_noise_key(
+def test_a_client_that_never_trains_writes_no_state_and_no_secret_key(
     tmp_path: Path,
 ) -> None:
     """``hello`` and an evaluation without weights change no client state: in a cross-device
     run (derived noise keys) a client never selected writes no state (no Context entry, no
-    state file), and the run equals the simulator's.  A deployed client's first message saves
-    the secret noise key it drew (the next message must not draw another), in its Context as
-    well as in its state-dir, with ``run.client_state=disk`` too."""
+    state file), and the run equals the simulator's.  A deployed client's hello saves nothing
+    either (its secret noise key lives in the process's memory, never in a state); what it
+    saves after releasing, in its Context and its state-dir, holds the key's mode, no key."""
     from protofl.engine.flower.client_app import get_runtime
 
     config = tiny_config("fedproto", "vpdr", rounds=2, clients_per_domain=4).with_overrides(
@@ -855,15 +862,19 @@ def test_a_client_that_never_trains_writes_no_state_unless_it_drew_a_noise_key(
     def client(msg: Message, ctx: Context) -> Message:
         reply = app(msg, ctx)
         if msg.metadata.message_type.endswith("hello"):
-            keys.append(unpack_state(ctx.state[STATE_KEY])["noise_key"])  # type: ignore[arg-type]
+            keys.append(STATE_KEY in ctx.state)
         return reply
 
     grid = InlineGrid(client, 2)
     for ctx in grid.contexts.values():
         ctx.node_config["state-dir"] = str(tmp_path / f"node-{ctx.node_id}")
     outcome = _serve(grid, secret)
-    assert keys == ["secret", "secret"] and not outcome.history[0].rejected
-    assert all(list((tmp_path / f"node-{n}").glob("*.pt")) for n in grid.contexts)
+    assert keys == [False, False] and not outcome.history[0].rejected
+    for nid, ctx in grid.contexts.items():
+        (path,) = (tmp_path / f"node-{nid}").glob("*.pt")
+        for saved in (unpack_state(ctx.state[STATE_KEY]), load_node_state(path)):  # type: ignore[arg-type]
+            assert saved is not None and saved["noise_key"] == "secret"
+            assert saved["noise_gen"]["mode"] == "secret" and "key" not in saved["noise_gen"]
 
 
 def test_a_disk_backed_flower_run_resumes_from_its_node_files_to_the_same_numbers(
@@ -1128,9 +1139,12 @@ def test_a_deployed_client_refuses_a_derived_noise_key_unless_its_node_opts_out(
     assert outcome.summary["privacy"]["guarantee"]["noise_key"] == "derived"
 
 
-def test_a_restarted_supernode_keeps_its_secret_noise_stream(tmp_path: Path) -> None:
+def test_a_restarted_supernode_keeps_its_ledger_and_never_saves_its_secret_key(
+    tmp_path: Path,
+) -> None:
     """With a node-local state folder, a node that lost its in-memory context resumes its
-    ledger and its secret noise stream instead of starting over (no replayed noise)."""
+    ledger instead of starting over; its secret noise key was never saved, so it draws a fresh
+    one (no replayed noise)."""
     config = tiny_config("fedproto", "igpp", rounds=2)
     app = make_client_app(config, tmp_path, deployment=True)
     grid = InlineGrid(app, 2)
@@ -1148,7 +1162,9 @@ def test_a_restarted_supernode_keeps_its_secret_noise_stream(tmp_path: Path) -> 
         after = unpack_state(ctx.state[STATE_KEY])  # type: ignore[arg-type]
         assert [e["round"] for e in after["ledger"]["entries"]] == [0, 1]
         assert after["noise_key"] == "secret"
-        assert not torch.equal(after["noise_gen"], first[nid]["noise_gen"])  # it moved on
+        # the key is never saved: only its mode and draw count
+        assert after["noise_gen"]["mode"] == "secret" and "key" not in after["noise_gen"]
+        assert "key" not in first[nid]["noise_gen"]
     assert all(not m.rejected for m in outcome.history)
 
 
@@ -1467,7 +1483,7 @@ def _stopped_before_checkpoint_2(
     with pytest.raises(Stopped):
         run_flower_simulation(config, home=home, backend="inline", out=out)
     monkeypatch.setattr(checkpoint, "save_checkpoint", real)
-    (run_dir,) = out.iterdir()
+    (run_dir,) = (p for p in out.iterdir() if not p.name.endswith(".client-local"))
     return run_dir
 
 
@@ -1546,7 +1562,7 @@ def test_a_killed_flower_run_resumes_on_its_engine_from_the_cli(
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    (run_dir,) = runs.iterdir()
+    (run_dir,) = (p for p in runs.iterdir() if not p.name.endswith(".client-local"))
     done = subprocess.run(
         [*cli, "run", "--resume", str(run_dir), "--flower-backend", "inline", "--quiet"],
         env=env,
@@ -1555,14 +1571,15 @@ def test_a_killed_flower_run_resumes_on_its_engine_from_the_cli(
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+    from protofl.engine.rundir import merge_fields, read_client_summary, read_rounds
+
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["engine"] == "flower" and summary["rounds"] == 3
+    # (summary.json and metrics.jsonl: the server's part; the local-only rest is client-local)
+    summary = merge_fields(summary, read_client_summary(run_dir))
     assert summary["privacy"] == reference.summary["privacy"]
     assert summary["avg_acc"] == reference.summary["avg_acc"]
-    history = [
-        RoundMetrics.from_json(json.loads(s))
-        for s in (run_dir / "metrics.jsonl").read_text().splitlines()
-    ]
+    history = [RoundMetrics.from_json(row) for row in read_rounds(run_dir)]
     assert comparable(history) == comparable(reference.history)
 
 

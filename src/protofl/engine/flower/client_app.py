@@ -68,7 +68,7 @@ from protofl.engine.flower.codec import (
 )
 from protofl.engine.simulation import Client, Simulation
 from protofl.methods.base import Upload, frozen_parameter_names
-from protofl.privacy.noise import INSECURE_OPT_OUT, resolve_noise_mode, secret_seed
+from protofl.privacy.noise import INSECURE_OPT_OUT, resolve_noise_mode, restore_noise_key
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ def client_state(
         "state": dict(c.state.tensors),
         "ledger": c.ledger.state_dict(),
         "train_gen": c.train_gen.get_state(),
-        "noise_gen": c.noise_gen.get_state(),
+        "noise_gen": c.noise_gen.state_dict(),
         "dcr": None if c.dcr is None else c.dcr.state_dict(),
         "mechanism": _own_mechanism_state(mech, c.data.name),
         "public_count": sim.public_counts.get(c.data.client),
@@ -277,7 +277,8 @@ def load_client_state(
     c.state.tensors = dict(state["state"])
     c.ledger.load_state_dict(state["ledger"])
     c.train_gen.set_state(state["train_gen"])
-    c.noise_gen.set_state(state["noise_gen"])
+    # a secret key is never in a saved state: the client keeps this process's own key
+    c.noise_gen = restore_noise_key(c.noise_gen, state["noise_gen"], where=f"client {c.data.name}")
     if c.dcr is not None:
         c.dcr.load_state_dict(state["dcr"])
     sim.mechanism.load_state_dict(state["mechanism"])
@@ -483,8 +484,9 @@ def cached_state_after_release(
 def fresh_client_state(
     sim: Simulation, runtime_initial: dict[str, Any], mode: str
 ) -> dict[str, Any]:
-    """A client's state at its first start: the config's initial state, with a noise key drawn
-    on this node from the operating system in ``secret`` mode (never derived from the config).
+    """A client's state at its first start: the config's initial state, marked as using a
+    ``secret`` noise key (drawn on this node from the operating system when the state is
+    loaded, held in the process's memory only; never derived from the config, never saved).
 
     The model and the DCR teacher are the runtime's own tensors (:data:`COPIED_ON_LOAD`:
     :func:`load_client_state` copies them into the client's modules and nothing writes them),
@@ -492,7 +494,7 @@ def fresh_client_state(
     reaches it (each ``hello``, each evaluation of a client never selected to train)."""
     state = {k: v if k in COPIED_ON_LOAD else copy.deepcopy(v) for k, v in runtime_initial.items()}
     if mode == "secret":
-        state["noise_gen"] = torch.Generator().manual_seed(secret_seed()).get_state()
+        state["noise_gen"] = {"mode": "secret", "draws": 0}
     state["noise_key"] = mode
     return state
 
@@ -625,7 +627,9 @@ def _run(
     runtime = get_runtime(cfg, home)
     sim = runtime.sim
     sim.noise_mode = mode
-    sim.diagnostics = not deployment
+    # local-only diagnostics reach the server only in protofl's simulation, and only when the
+    # run opts in (run.diagnostics; the guarantee then lists them as not covered)
+    sim.diagnostics = not deployment and cfg.run.diagnostics
     # releases per client: the calibrated rounds, unless this node's own operator extended
     # the run (never a value the server sends); reset for every run the process serves
     limit = release_limit or cfg.federation.rounds
@@ -669,7 +673,6 @@ def _run(
             saved = load_state_bytes(saved_bytes)
         elif state_file is not None and (read := _read_node_state(state_file)) is not None:
             saved, saved_bytes = read
-        known = saved is not None
         if saved is None:
             saved = fresh_client_state(sim, runtime.initial[pid], mode)
         elif saved.get("noise_key", mode) != mode:
@@ -690,6 +693,8 @@ def _run(
             if again:
                 content = decode_reply(cache["reply"])
             else:
+                if phase == "release" and deployment:
+                    _charge_node_ledger(sim, c, context, tag, rnd)
                 content = handler(sim, c, msg)
             check_wire(phase, content, diagnostics=sim.diagnostics)
         except Exception as exc:
@@ -699,11 +704,11 @@ def _run(
             ) from exc
         # hello and an evaluation without averaged weights to adopt change no client state
         # (the simulator's federation.eval_every rests on it too): a saved state stays as it
-        # is, and a fresh one is saved only if it holds a noise key drawn here (secret; a
-        # derived state is rebuilt from the config by the next message: a cross-device
-        # federation's clients that never train never write a state)
+        # is, and a fresh one is not saved (it is rebuilt by the next message; a secret noise
+        # key is never saved: a cross-device federation's clients that never train never
+        # write a state)
         unchanged = phase == "hello" or (phase == "evaluate" and "weights" not in msg.content)
-        if unchanged and (known or mode == "derived"):
+        if unchanged:
             return Message(content=content, reply_to=msg)
         # serialised below, before anything changes the client again: no copies, but of rows
         # of a batched store (own_storage)
@@ -733,6 +738,26 @@ def _run(
         unload_client(sim, c)
         torch.set_num_threads(threads)
     return Message(content=content, reply_to=msg)
+
+
+def _charge_node_ledger(sim: Simulation, c: Client, context: Context, run: str, rnd: int) -> None:
+    """A deployed node charges the release it is about to make to its own ledger of this data
+    partition, across every run (:mod:`protofl.privacy.node_ledger`), and refuses it past the
+    node's budget, before anything is drawn or sent."""
+    from protofl.data.cache import protofl_home
+    from protofl.privacy.node_ledger import NodeLedger, data_fingerprint
+
+    if not sim.mechanism.is_private:
+        return
+    fingerprint = data_fingerprint(sim.data.dataset, c.data.domain_name, c.data.train_indices)
+    ledger = NodeLedger.for_node(
+        context.node_config,
+        fingerprint,
+        accountant=sim.config.privacy.accountant,
+        default_folder=protofl_home() / "node-ledgers",
+    )
+    events = sim.mechanism.release_events(len(c.ledger.entries))
+    ledger.charge(run, rnd, sim.mechanism.name, events)
 
 
 def make_client_app(

@@ -151,6 +151,7 @@ def _simulate(
     from protofl.engine.federated_data import build_federated_data
     from protofl.engine.flower.client_app import make_client_app
     from protofl.engine.flower.server_app import ServerOutcome, make_server_app
+    from protofl.engine.flower.strategy import plan_from_data
     from protofl.engine.rundir import target_rounds
 
     home = Path(home) if home is not None else protofl_home()
@@ -163,8 +164,12 @@ def _simulate(
         scratch = tempfile.TemporaryDirectory(prefix="protofl-flower-nodes-")
         state_root = Path(scratch.name)
     try:
-        # build (and disk-cache) the data once here: it tells how many SuperNodes to start
-        num_clients = len(build_federated_data(config, home).clients)
+        # build (and disk-cache) the data once here: it tells how many SuperNodes to start,
+        # and the server (the operator, who built every partition) what each must register
+        data = build_federated_data(config, home)
+        num_clients = len(data.clients)
+        plan = plan_from_data(config, data)
+        del data
         outcome = ServerOutcome()
         client_app = make_client_app(
             config,
@@ -194,7 +199,8 @@ def _simulate(
                 round_timeout=round_timeout,
                 wait_timeout=60.0,
                 outcome=outcome,
-                diagnostics=True,
+                diagnostics=config.run.diagnostics,
+                plan=plan,
             )
         else:
             from flwr.simulation import run_simulation
@@ -207,7 +213,8 @@ def _simulate(
                 min_nodes=num_clients,
                 round_timeout=round_timeout,
                 outcome=outcome,
-                diagnostics=True,
+                diagnostics=config.run.diagnostics,
+                plan=plan,
             )
             run_simulation(
                 server_app=server_app,

@@ -9,7 +9,6 @@ run (``resume``).  Clients keep their own state on their nodes.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from protofl.config import ExperimentConfig
 from protofl.engine.flower.client_app import config_from_run_config
-from protofl.engine.flower.strategy import ProtoStrategy
+from protofl.engine.flower.strategy import FederationPlan, ProtoStrategy
 from protofl.engine.simulation import RoundMetrics, summarise
 
 log = logging.getLogger(__name__)
@@ -95,6 +94,7 @@ def build_summary(config: ExperimentConfig, strategy: ProtoStrategy) -> dict[str
             "rejected_total": sum(len(h.rejected) for h in strategy.history),
             "rebinds": strategy.rebinds,
             "partition_map": {str(n): p for n, p in sorted(strategy.partition_map.items())},
+            "weighting": strategy.weighting_summary(),
             "units": "accuracies are fractions in [0, 1]; tables show percentages",
             "environment": environment(),
         }
@@ -120,15 +120,16 @@ def make_server_app(
     diagnostics: bool = False,
     run_dir: Path | None = None,
     resume: bool = False,
+    plan: FederationPlan | None = None,
 ) -> ServerApp:
     """A ServerApp running ``ProtoStrategy``.
 
     Values not given here come from the run config: ``protofl-config``/``protofl-set`` (the
-    experiment), ``round-timeout``, ``wait-timeout``, ``min-nodes`` (0: as many as the clients
-    report), ``out-dir`` (a run folder is written there; empty: none) and ``partition-map``
+    experiment), ``round-timeout``, ``wait-timeout``, ``min-nodes`` (0: as many as the run has
+    clients), ``out-dir`` (a run folder is written there; empty: none) and ``partition-map``
     (node id -> partition from the registered SuperNode keys; empty: first claim wins).
-    ``run_dir``/``resume``: as :func:`run_flower_server`.  A run folder written by a deployment
-    (``config`` None: the shipped components under ``flwr run``) records the engine
+    ``run_dir``/``resume``/``plan``: as :func:`run_flower_server`.  A run folder written by a
+    deployment (``config`` None: the shipped components under ``flwr run``) records the engine
     ``flower-deployment``: protofl cannot restart a deployment's SuperNodes, so it does not
     resume it.
     """
@@ -156,6 +157,7 @@ def make_server_app(
             run_dir=run_dir,
             resume=resume,
             engine="flower" if config is not None else "flower-deployment",
+            plan=plan,
         )
 
     return app
@@ -176,15 +178,27 @@ def run_flower_server(
     run_dir: Path | None = None,
     resume: bool = False,
     engine: str = "flower",
+    plan: FederationPlan | None = None,
 ) -> ServerOutcome:
     """Run the strategy on ``grid`` and write a run folder: a new one under ``out`` (when
     given), or ``run_dir`` (already started, e.g. by :func:`start_run_dir`).  The server
     checkpoints after every round (unless ``federation.checkpoint`` is false); ``resume``
     continues ``run_dir`` from its last checkpoint up to its rounds (configured plus
     extensions).  ``partition_map``: node id -> the one partition that node may claim (None or
-    empty: first claim wins)."""
+    empty: first claim wins).  ``plan``: what the federation is
+    (:func:`~protofl.engine.flower.strategy.plan_from_data` where the caller built the
+    federated data, so every partition's sample count is known; None: the configured data
+    set's classes, domains and clients,
+    :func:`~protofl.engine.flower.strategy.plan_from_config`)."""
     from protofl.engine.checkpoint import load_latest_checkpoint, save_checkpoint
-    from protofl.engine.rundir import FolderLock, read_extensions, target_rounds
+    from protofl.engine.rundir import (
+        FolderLock,
+        append_round,
+        read_extensions,
+        rewrite_rounds,
+        target_rounds,
+        write_summary,
+    )
     from protofl.engine.runner import attach_log, extended_privacy, make_run_dir, start_run_dir
 
     outcome = outcome if outcome is not None else ServerOutcome()
@@ -202,9 +216,8 @@ def run_flower_server(
 
         def record(m: RoundMetrics) -> None:
             outcome.history.append(m)
-            if run_dir is not None:
-                with open(run_dir / "metrics.jsonl", "a") as fh:
-                    fh.write(json.dumps(m.to_json()) + "\n")
+            if run_dir is not None:  # local-only fields: client-local, or dropped (deployment)
+                append_round(run_dir, m.to_json(), keep_local=diagnostics)
                 if config.federation.checkpoint:  # every round: the clients move every round
                     save_checkpoint(run_dir, m.round, strategy.state_dict())
             if on_round is not None:
@@ -217,6 +230,7 @@ def run_flower_server(
             wait_timeout=wait_timeout,
             on_round=record,
             diagnostics=diagnostics,
+            plan=plan,
         )
         strategy.partition_map = dict(partition_map or {})
         outcome.strategy = strategy
@@ -233,9 +247,7 @@ def run_flower_server(
             log.info("resuming %s after round %d", run_dir, len(strategy.history))
             outcome.history = list(strategy.history)
         if run_dir is not None:  # a round written after the last checkpoint is written again
-            (run_dir / "metrics.jsonl").write_text(
-                "".join(json.dumps(m.to_json()) + "\n" for m in strategy.history)
-            )
+            rewrite_rounds(run_dir, [m.to_json() for m in strategy.history], keep_local=diagnostics)
         todo = (target if target is not None else config.federation.rounds) - len(strategy.history)
         if todo > 0:
             strategy.start(grid=grid, num_rounds=todo)
@@ -243,7 +255,7 @@ def run_flower_server(
         outcome.summary["privacy"] = extended_privacy(outcome.summary["privacy"], extensions)
         if run_dir is not None:
             outcome.summary["run_dir"] = str(run_dir)
-            (run_dir / "summary.json").write_text(json.dumps(outcome.summary, indent=2) + "\n")
+            write_summary(run_dir, outcome.summary, keep_local=diagnostics)
             if config.run.save_releases:
                 save_received(strategy, run_dir)
         log.info("flower run finished: avg %.4f", outcome.summary["avg_acc"])

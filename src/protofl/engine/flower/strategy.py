@@ -25,7 +25,12 @@ One round, as in the in-process simulator (``Simulation.run_round``):
    rejected replies.
 
 Before round 1 a ``query.hello`` registers every node's partition id, domain and sample count
-(the server only sees random node ids).  Sampling uses the simulator's own seeded procedure on
+(the server only sees random node ids).  What the federation is (class count, domains, clients,
+each partition's name and domain, and its sample count where the server built the partition
+plan) comes from the server's own config (:class:`FederationPlan`), never from a node: a hello
+that disagrees is refused and recorded.  Aggregation weights follow ``federation.weighting``
+(:meth:`ProtoStrategy.weighted`): no node's self-declared count buys it more than
+``federation.weight_cap`` times the median.  Sampling uses the simulator's own seeded procedure on
 partition ids (Flower's ``sample_nodes`` draws from the unseeded global ``random``), so the same
 seed picks the same clients on both engines.  Every phase waits at most ``round_timeout``
 seconds: a node that vanished only costs that wait, and the round completes with the others.
@@ -33,11 +38,15 @@ seconds: a node that vanished only costs that wait, and the round completes with
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -95,6 +104,126 @@ class NodeInfo:
     num_test: int | None = None  # the size of its domain's test set (evaluation plans)
 
 
+@dataclass(frozen=True)
+class PartitionFacts:
+    """One partition as the server's own config defines it (what its node must register)."""
+
+    name: str
+    domain: int
+    domain_name: str
+    num_samples: int | None = None  # None: not known to the server (or not public)
+    num_test: int | None = None
+
+
+@dataclass(frozen=True)
+class FederationPlan:
+    """What the federation is, from the server's config (never from a node's ``hello``).
+
+    ``source``: ``partition plan`` (the server built the federated data, as protofl's own
+    Flower simulation does: every partition's sample count is known) or ``data set`` (the
+    configured data set's classes and domains and the configured clients; sample counts are
+    self-declared)."""
+
+    num_classes: int
+    domains: tuple[str, ...]
+    partitions: tuple[PartitionFacts, ...]
+    has_holdout: bool
+    source: str
+
+    @property
+    def num_clients(self) -> int:
+        """How many partitions (clients) the run has."""
+        return len(self.partitions)
+
+    @property
+    def num_domains(self) -> int:
+        """How many training domains the run has."""
+        return len(self.domains)
+
+    @property
+    def counts_known(self) -> bool:
+        """Whether every partition's sample count is known to the server."""
+        return all(p.num_samples is not None for p in self.partitions)
+
+
+def plan_from_data(config: ExperimentConfig, data: Any) -> FederationPlan:
+    """The plan of federated data the server built itself (a
+    :class:`~protofl.engine.federated_data.FederatedData`): every partition's facts, with its
+    sample count unless the privacy config keeps exact counts private."""
+    public = config.privacy.counts_public
+    return FederationPlan(
+        num_classes=int(data.num_classes),
+        domains=tuple(data.domains),
+        partitions=tuple(
+            PartitionFacts(
+                name=c.name,
+                domain=c.domain,
+                domain_name=c.domain_name,
+                num_samples=c.num_train if public else None,
+                num_test=len(c.test_y),
+            )
+            for c in data.clients
+        ),
+        has_holdout=data.holdout is not None,
+        source="partition plan",
+    )
+
+
+def plan_from_config(config: ExperimentConfig, home: Path | None = None) -> FederationPlan:
+    """The plan the configured data set gives without building any client's data: its classes,
+    the training domains (``data.domains`` less ``data.holdout_domain``) and the clients of each
+    (``data.allocation`` / ``data.clients_per_domain``), named as
+    :func:`~protofl.engine.federated_data.build_federated_data` names them.  Sample counts are
+    not known.  The data set must load on the server (``home``: default ``PROTOFL_HOME``)."""
+    from protofl.data.cache import protofl_home
+
+    home = Path(home) if home is not None else protofl_home()
+    data = config.to_dict()["data"]
+    key = (json.dumps([data, config.backbone.image_size], sort_keys=True), str(home))
+    if key not in _PLANS:
+        if len(_PLANS) >= 8:
+            _PLANS.clear()
+        _PLANS[key] = _load_plan(config, home)
+    return _PLANS[key]
+
+
+_PLANS: dict[tuple[str, str], FederationPlan] = {}
+"""plan_from_config's per-process memo: (data config, home) -> plan."""
+
+
+def _load_plan(config: ExperimentConfig, home: Path) -> FederationPlan:
+    from protofl.engine.federated_data import client_counts, load_dataset
+
+    try:
+        dataset = load_dataset(config, home)
+    except Exception as exc:
+        raise RuntimeError(
+            f"the server reads the federation's classes, domains and clients from the "
+            f"configured data set {config.data.name!r}, which does not load here "
+            f"({type(exc).__name__}: {exc}); make it available on the server (protofl datasets)"
+        ) from None
+    dcfg = config.data
+    domains = list(dataset.domains)
+    if dcfg.domains is not None:
+        domains = [dataset.domain(name) for name in dcfg.domains]
+    if dcfg.holdout_domain is not None:
+        domains = [d for d in domains if d.name != dcfg.holdout_domain]
+    counts = client_counts(config, dataset.name, [d.name for d in domains])
+    parts = []
+    for index, dom in enumerate(domains):
+        k = counts[dom.name]
+        for j in range(k):
+            name = dom.name if k == 1 else f"{dom.name}-{j}"
+            parts.append(PartitionFacts(name=name, domain=index, domain_name=dom.name))
+    return FederationPlan(
+        num_classes=dataset.num_classes,
+        domains=tuple(d.name for d in domains),
+        partitions=tuple(parts),
+        has_holdout=dcfg.holdout_domain is not None and dcfg.validation_fraction is None,
+        source="data set",
+    )
+
+
 @dataclass
 class RoundLog:
     """Faults of one round: error replies, rejected records, nodes that did not answer."""
@@ -115,6 +244,8 @@ class ProtoStrategy(Strategy):
     how many nodes to wait for before round 1 (None: as many as the clients report there are).
     ``round_timeout``: seconds each phase waits for replies.  ``wait_timeout``: seconds to wait
     for nodes to connect before giving up.  ``on_round`` is called with every round's metrics.
+    ``plan``: what the federation is (:func:`plan_from_data` where the caller built the
+    federated data; None: :func:`plan_from_config`, read when registration starts).
     """
 
     def __init__(
@@ -127,8 +258,12 @@ class ProtoStrategy(Strategy):
         on_round: Callable[[RoundMetrics], None] | None = None,
         poll_interval: float = 0.5,
         diagnostics: bool = False,
+        plan: FederationPlan | None = None,
     ) -> None:
         self.config = config
+        self.plan = plan
+        # federation.weighting=declared: partition -> the operator's sample count
+        self.declared = {int(p): n for p, n in config.federation.declared_counts.items()}
         extras = METHOD_REGISTRY.get(config.method.name).extra_uploads
         if extras:
             raise ValueError(
@@ -182,6 +317,8 @@ class ProtoStrategy(Strategy):
         # a resumed run: partition -> the facts it registered before (a node claiming it now
         # must repeat them; node ids of the earlier session mean nothing now)
         self._resumed: dict[int, NodeInfo] = {}
+        # partitions whose self-declared count was capped: name -> claimed, weight, first round
+        self.capped: dict[str, dict[str, int]] = {}
 
     # ----- checkpoint state ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -206,6 +343,7 @@ class ProtoStrategy(Strategy):
             "wire_seen": {k: sorted(v) for k, v in sorted(self.wire_seen.items())},
             "rebinds": list(self.rebinds),
             "partition_overlap": list(self._partition_overlap),
+            "capped": {k: dict(v) for k, v in self.capped.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -234,6 +372,7 @@ class ProtoStrategy(Strategy):
         self.wire_seen = {k: set(v) for k, v in state["wire_seen"].items()}
         self.rebinds = list(state["rebinds"])
         self._partition_overlap = [float(v) for v in state["partition_overlap"]]
+        self.capped = {k: dict(v) for k, v in state.get("capped", {}).items()}
 
     def _partitions(self) -> set[int]:
         return {n.partition for n in self.nodes.values()}
@@ -314,7 +453,8 @@ class ProtoStrategy(Strategy):
         self._losses = [v for _, v in losses if math.isfinite(v)]
         self.avg_weights = None
         if self.method is not None and self.method.shares_weights and members:
-            self.avg_weights = self._average_weights(sorted(members, key=lambda m: m[0]))
+            ups = self.weighted([u for _, u in sorted(members, key=lambda m: m[0])], server_round)
+            self.avg_weights = self._average_weights([(u.client, u) for u in ups])
             self.global_state["__weights_round"] = torch.tensor(server_round - 1)
         loss = float(np.mean(self._losses)) if self._losses else math.nan
         metrics = MetricRecord({"num-trained": len(losses)})
@@ -439,7 +579,7 @@ class ProtoStrategy(Strategy):
         accepted.sort(key=lambda u: u.client)  # the simulator's order: aggregation is bitwise equal
         self.received.append({u.client: u.release for u in accepted if u.release is not None})
         self._partition_overlap = overlaps
-        return self.method.aggregate(accepted, server_round - 1)
+        return self.method.aggregate(self.weighted(accepted, server_round), server_round - 1)
 
     def _charge(
         self, node: NodeInfo, server_round: int, facts: tuple[str, list[dict[str, Any]]] | None
@@ -466,6 +606,88 @@ class ProtoStrategy(Strategy):
         if up.num_samples != node.num_samples:
             return f"claims {up.num_samples} samples, registered {node.num_samples}"
         return None
+
+    # ----- aggregation weights ----------------------------------------------------------------
+    def weight_limit(self, claims: Sequence[int]) -> int | None:
+        """The most weight one client may carry (None: no limit).  Only self-declared counts
+        are capped (``federation.weighting: samples`` where the server knows no partition's
+        count): ``federation.weight_cap`` times the lower median of the registered counts (of
+        this round's ``claims`` where exact counts are private), so a minority of liars cannot
+        move the median."""
+        fed = self.config.federation
+        if fed.weighting != "samples" or fed.weight_cap == 0:
+            return None
+        if self.plan is not None and self.plan.counts_known:
+            return None  # every registered count was checked against the partition plan
+        if self.config.privacy.counts_public:
+            counts = [n.num_samples for n in self.registered_nodes()]
+        else:
+            counts = list(claims)
+        if not counts:
+            return None
+        return max(1, math.floor(fed.weight_cap * statistics.median_low(counts)))
+
+    def weighted(self, uploads: Sequence[Upload], server_round: int = 0) -> list[Upload]:
+        """``uploads`` with the aggregation weights ``federation.weighting`` gives: each
+        upload's ``num_samples`` (FedAvg's weight, and what methods weigh clients by) and its
+        release's per-class counts, scaled alike.  ``samples``: the registered count, at most
+        :meth:`weight_limit`; ``uniform``: the same for every client (the round's largest
+        count, so scaled counts stay integers >= 1); ``declared``: the operator's count (every
+        registration was checked against it).  An upload whose weight stays is passed on
+        as it is (so honest runs aggregate bitwise as the simulator)."""
+        ups = list(uploads)
+        if not ups:
+            return ups
+        claims = [u.num_samples for u in ups]
+        if self.config.federation.weighting == "uniform":
+            targets = [max(max(claims), 1)] * len(ups)
+        else:
+            limit = self.weight_limit(claims)
+            targets = claims if limit is None else [min(n, limit) for n in claims]
+            names = {n.partition: n.name for n in self.registered_nodes()}
+            for u, t in zip(ups, targets, strict=True):
+                name = names.get(u.client, f"partition-{u.client}")
+                if t != u.num_samples and name not in self.capped:
+                    log.warning(
+                        "round %d: %s claims %d samples; its weight is capped at %d "
+                        "(federation.weight_cap x the median registered count)",
+                        server_round,
+                        name,
+                        u.num_samples,
+                        t,
+                    )
+                    self.capped[name] = {
+                        "claimed": u.num_samples,
+                        "weight": t,
+                        "round": server_round,
+                    }
+        return [u if t == u.num_samples else _reweighted(u, t) for u, t in zip(ups, targets)]
+
+    def weighting_summary(self) -> dict[str, Any]:
+        """How the run weighted its clients (``summary.json``'s ``weighting``)."""
+        fed = self.config.federation
+        plan = self.plan
+        if fed.weighting == "uniform":
+            source = "none: every client weighs the same"
+        elif fed.weighting == "declared":
+            source = "federation.declared_counts (the operator's)"
+        elif plan is not None and plan.counts_known:
+            source = "the partition plan the server built (every registration checked)"
+        elif not self.config.privacy.counts_public:
+            source = "the released noisy counts, capped"
+        else:
+            source = "self-declared at registration, capped"
+        out: dict[str, Any] = {
+            "mode": fed.weighting,
+            "counts": source,
+            "plan": None if plan is None else plan.source,
+        }
+        limit = self.weight_limit([])
+        if fed.weighting == "samples" and (limit is not None or fed.weight_cap == 0):
+            out["weight_cap"] = fed.weight_cap
+            out["limit"] = limit
+        out["capped"] = {k: dict(v) for k, v in sorted(self.capped.items())}
+        return out
 
     # ----- driving loop ------------------------------------------------------------------------
     def start(
@@ -536,6 +758,7 @@ class ProtoStrategy(Strategy):
     # ----- registration and sampling -------------------------------------------------------
     def register(self, grid: Grid) -> None:
         """Wait for the nodes and learn each one's partition (``query.hello``)."""
+        self._prepare()
         deadline = time.monotonic() + self.wait_timeout
         want = self.min_nodes or 1
         while True:
@@ -548,14 +771,103 @@ class ProtoStrategy(Strategy):
             if len(self.nodes) >= want:
                 break
             if time.monotonic() > deadline:
+                refused = "; ".join(
+                    f"node {r['node']} ({r['client']}) {r['reason']}" for r in self._pending
+                )
                 raise TimeoutError(
                     f"only {len(self.nodes)} of {want} nodes registered within "
-                    f"{self.wait_timeout:.0f}s"
+                    f"{self.wait_timeout:.0f}s" + (f"; refused: {refused}" if refused else "")
                 )
             log.info("waiting for nodes: %d of %d registered", len(self.nodes), want)
             time.sleep(self.poll_interval)
         if self.method is None:
             raise RuntimeError("no node answered the registration")
+
+    def _prepare(self) -> None:
+        """The federation's plan from the server's own config (never from a node), the method
+        built for it, and the declared counts checked against it."""
+        if self.plan is None:
+            self.plan = plan_from_config(self.config)
+        plan = self.plan
+        self.num_clients, self.num_classes = plan.num_clients, plan.num_classes
+        self.num_domains = plan.num_domains
+        if self.method is None:
+            self.method = create_method(
+                self.config.method.name,
+                self.config.method.params,
+                num_classes=plan.num_classes,
+                num_domains=plan.num_domains,
+                proto_dim=self.config.backbone.proto_dim,
+                seed=self.config.seed,
+                rounds=self.config.federation.rounds,
+            )
+        declared = self.declared
+        if self.config.federation.weighting == "declared":
+            missing = [p for p in range(plan.num_clients) if p not in declared]
+            extra = [p for p in declared if p >= plan.num_clients]
+            if missing or extra:
+                raise ValueError(
+                    "federation.declared_counts: "
+                    + (f"no count for partition(s) {missing}" if missing else "")
+                    + ("; " if missing and extra else "")
+                    + (f"partition(s) {extra} do not exist" if extra else "")
+                    + f" (the run has partitions 0..{plan.num_clients - 1})"
+                )
+            for p, facts in enumerate(plan.partitions):
+                if facts.num_samples is not None and facts.num_samples != declared[p]:
+                    raise ValueError(
+                        f"federation.declared_counts.{p}={declared[p]}, but the partition "
+                        f"plan gives partition {p} ({facts.name}) {facts.num_samples} samples"
+                    )
+
+    def _plan_problem(self, info: NodeInfo, hello: Any) -> str | None:
+        """Why a hello disagrees with the federation's plan (None: it agrees).  The shape
+        (classes, domains, clients, held-out domain), the method and mechanism, the claimed
+        partition's name and domain, and its sample count where the server knows it."""
+        assert self.plan is not None
+        plan = self.plan
+        expected: list[tuple[str, Any, Any]] = [
+            ("num-classes", plan.num_classes, hello.get("num-classes")),
+            ("num-domains", plan.num_domains, hello.get("num-domains")),
+            ("num-clients", plan.num_clients, hello.get("num-clients")),
+            ("has-holdout", plan.has_holdout, hello.get("has-holdout", plan.has_holdout)),
+            ("method", self.config.method.name, hello.get("method")),
+            ("mechanism", self.mechanism.name, hello.get("mechanism")),
+        ]
+        for key, want, got in expected:
+            if got != want:
+                return f"reports {key}={got!r}, the run's config has {want!r}"
+        if not 0 <= info.partition < plan.num_clients:
+            return (
+                f"claims partition {info.partition}, the run has partitions "
+                f"0..{plan.num_clients - 1}"
+            )
+        facts = plan.partitions[info.partition]
+        got_facts = (info.name, info.domain, info.domain_name)
+        want_facts = (facts.name, facts.domain, facts.domain_name)
+        if got_facts != want_facts:
+            return (
+                f"claims partition {info.partition} as {info.name} (domain {info.domain} "
+                f"{info.domain_name}); the run's partition {info.partition} is {facts.name} "
+                f"(domain {facts.domain} {facts.domain_name})"
+            )
+        if facts.num_test is not None and info.num_test not in (None, facts.num_test):
+            return (
+                f"registers {info.num_test} test samples, the partition plan has {facts.num_test}"
+            )
+        if not self.config.privacy.counts_public:
+            return None
+        if facts.num_samples is not None and info.num_samples != facts.num_samples:
+            return (
+                f"registers {info.num_samples} samples, the partition plan has {facts.num_samples}"
+            )
+        if self.config.federation.weighting == "declared":
+            want = self.declared.get(info.partition)
+            if info.num_samples != want:
+                return (
+                    f"registers {info.num_samples} samples, federation.declared_counts has {want}"
+                )
+        return None
 
     def _register_new(self, grid: Grid, rnd: int) -> None:
         live = set(grid.get_node_ids())
@@ -609,11 +921,27 @@ class ProtoStrategy(Strategy):
                     noise_key=str(h.get("noise-key", "unknown")),
                     num_test=int(h["num-test"]) if "num-test" in h else None,  # type: ignore[call-overload, arg-type]
                 )
-                num_clients = int(h["num-clients"])  # type: ignore[arg-type]
-                num_classes = int(h["num-classes"])  # type: ignore[arg-type]
-                num_domains = int(h["num-domains"])  # type: ignore[arg-type]
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("node %d: malformed registration (%s); ignored", node_id, exc)
+                self._pending.append(
+                    {
+                        "client": f"node-{node_id}",
+                        "node": str(node_id),
+                        "phase": "hello",
+                        "reason": f"malformed registration ({type(exc).__name__}: {exc})",
+                    }
+                )
+                continue
+            reason = self._plan_problem(info, h)
+            if reason is not None:
+                # the federation is what the server's config says: a hello cannot change it,
+                # and one that disagrees holds no partition (its facts cannot become right:
+                # not asked again)
+                log.warning("node %d %s; refused", node_id, reason)
+                self._off_map.add(node_id)
+                self._pending.append(
+                    {"client": info.name, "node": str(node_id), "phase": "hello", "reason": reason}
+                )
                 continue
             bound = self.partition_map.get(node_id, -1) if self.partition_map else info.partition
             if bound != info.partition:  # also covers a rebind to a node not bound to it
@@ -670,27 +998,7 @@ class ProtoStrategy(Strategy):
                     {"client": info.name, "node": str(node_id), "phase": "hello", "reason": reason}
                 )
                 continue
-            if self.method is None:
-                self.num_clients, self.num_classes = num_clients, num_classes
-                self.method = create_method(
-                    self.config.method.name,
-                    self.config.method.params,
-                    num_classes=num_classes,
-                    num_domains=num_domains,
-                    proto_dim=self.config.backbone.proto_dim,
-                    seed=self.config.seed,
-                    rounds=self.config.federation.rounds,
-                )
-            elif (num_clients, num_classes) != (self.num_clients, self.num_classes):
-                log.warning(
-                    "node %d reports %d clients / %d classes, expected %d / %d; ignored",
-                    node_id,
-                    num_clients,
-                    num_classes,
-                    self.num_clients,
-                    self.num_classes,
-                )
-                continue
+            assert self.method is not None  # built from the plan before any hello
             if self.method.needs_domain and info.domain < 0:
                 raise ValueError(
                     f"method {self.method.name!r} needs every client to report a domain"
@@ -872,6 +1180,10 @@ class ProtoStrategy(Strategy):
             shares_weights=self.method is not None and self.method.shares_weights,
             uses_prototypes=self.method is None or self.method.uses_prototypes,
             other_uploads=() if self.method is None else self.method.extra_uploads,
+            # every evaluated round brings each client's accuracy to this server
+            evaluation_reported=True,
+            # the server accepts the clients' diagnostics records (run.diagnostics=true)
+            diagnostics_reported=self.diagnostics,
         )
         out["noise_key_per_client"] = per_client
         return out
@@ -884,6 +1196,17 @@ class ProtoStrategy(Strategy):
             uses_prototypes=self.method is None or self.method.uses_prototypes,
             partition_overlaps=self._partition_overlap,
         )
+
+
+def _reweighted(up: Upload, weight: int) -> Upload:
+    """``up`` carrying ``weight`` samples: its release's per-class counts scaled by
+    ``weight / up.num_samples`` (rounded, at least 1), so its prototypes weigh what it does."""
+    release = up.release
+    if release is not None and release.counts.numel() and up.num_samples > 0:
+        scale = weight / up.num_samples
+        counts = torch.clamp(torch.round(release.counts.double() * scale), min=1)
+        release = dataclasses.replace(release, counts=counts.to(release.counts.dtype))
+    return dataclasses.replace(up, num_samples=weight, release=release)
 
 
 def _same_facts(old: NodeInfo, new: NodeInfo) -> bool:
