@@ -35,7 +35,7 @@ def run_stopped_in_round(
         stop_in_round(patch, stop)
         with pytest.raises(KeyboardInterrupt):
             run_experiment(cfg, out=out, **kw)
-    return next(out.iterdir())
+    return next(p for p in out.iterdir() if not p.name.endswith(".client-local"))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

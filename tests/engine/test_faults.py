@@ -338,7 +338,7 @@ def test_checkpoint_every_k_rounds_resumes_identically(
 
     cfg = toy(5, "privacy.mechanism=igpp", "privacy.epsilon=4", "federation.checkpoint_every=2")
     full = run_experiment(cfg, out=tmp_path / "a")
-    saved = sorted(p.name for p in next((tmp_path / "a").iterdir()).glob("checkpoint-*.pt"))
+    saved = sorted(p.name for p in full.run_dir.glob("checkpoint-*.pt"))
     assert saved == ["checkpoint-0004.pt", "checkpoint-0005.pt"]  # every 2nd and the last
     run_dir = run_stopped_in_round(cfg, 4, tmp_path / "b", monkeypatch)
     assert [p.name for p in run_dir.glob("checkpoint-*.pt")] == ["checkpoint-0002.pt"]

@@ -39,7 +39,10 @@ def _plan(grid: dict[str, list[Any]], base: dict[str, Any] | None = None, **extr
 
 
 def _history(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """metrics.jsonl with the client-local diagnostics (training loss ...) merged back in."""
+    from protofl.engine.rundir import read_rounds
+
+    return read_rounds(run_dir)
 
 
 def _last_state(run_dir: Path) -> dict[str, Any]:
@@ -68,7 +71,7 @@ def _assert_same_runs(a: Path, b: Path, dirs: list[str]) -> None:
         ca, cb = _last_state(a / d), _last_state(b / d)
         for xa, xb in zip(ca["clients"], cb["clients"]):
             assert xa["ledger"] == xb["ledger"]
-            assert torch.equal(xa["noise_gen"], xb["noise_gen"])
+            assert xa["noise_gen"] == xb["noise_gen"]
             for name, t in xa["model"].items():
                 torch.testing.assert_close(t, xb["model"][name], atol=1e-5, rtol=1e-4)
         for ra, rb in zip(ca["releases"], cb["releases"]):

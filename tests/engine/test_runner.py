@@ -121,7 +121,10 @@ def test_features_not_finite_is_caught() -> None:
 def test_membership_inference_every_round_is_written_to_metrics(tmp_path: Path) -> None:
     cfg = _toy(**{"privacy.mechanism": "igpp", "run.mia_every": "1"})
     result = run_experiment(cfg, out=tmp_path)
-    rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    from protofl.engine.rundir import read_rounds
+
+    rows = read_rounds(result.run_dir)  # metrics.jsonl + the client-local diagnostics.jsonl
+    assert len(rows) == 2
     for row in rows:
         assert set(row["mia"]) == {"red", "green", "blue", "grey"}
         assert 0.0 <= row["mia"]["red"]["mia_auc"] <= 1.0
@@ -172,7 +175,8 @@ def test_ctrl_c_in_a_run_is_one_line_and_the_run_resumes(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("protofl: stopped (interrupted)"), err
     assert "protofl resume RUN_DIR" in err[0]
-    (run_dir,) = (tmp_path / "stopped").iterdir()
+    (run_dir,) = (tmp_path / "stopped").glob("*/config.yaml")  # (and its .client-local)
+    run_dir = run_dir.parent
     resumed = resume_experiment(run_dir).summary
     assert resumed["avg_acc"] == reference["avg_acc"]
 

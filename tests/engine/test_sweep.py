@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from protofl.config import ConfigError
+from protofl.engine.rundir import read_client_summary
 from protofl.engine.sweep import (
     execute_point,
     format_sweep_result,
@@ -109,6 +110,7 @@ def test_stopped_sweep_completes_only_the_rest_and_reports_failures(
     assert execute_point(str(p0.run_dir(sweep_dir)), p0.config.to_yaml(), None)["status"] == "done"
     assert execute_point(str(p1.run_dir(sweep_dir)), p1.config.to_yaml(), None)["status"] == "done"
     uninterrupted = json.loads((p1.run_dir(sweep_dir) / "summary.json").read_text())
+    uninterrupted_loss = read_client_summary(p1.run_dir(sweep_dir))["final_train_loss"]
     _stop_after_first_round(p1.run_dir(sweep_dir))
     done_before = (p0.run_dir(sweep_dir) / "summary.json").stat().st_mtime_ns
 
@@ -124,8 +126,10 @@ def test_stopped_sweep_completes_only_the_rest_and_reports_failures(
     assert (p0.run_dir(sweep_dir) / "summary.json").stat().st_mtime_ns == done_before
     assert result.runs[1].resumed_from == 1
     resumed = json.loads((p1.run_dir(sweep_dir) / "summary.json").read_text())
-    for key in ("acc", "avg_acc", "final_train_loss"):
+    for key in ("acc", "avg_acc"):
         assert resumed[key] == uninterrupted[key], key  # resuming gives the same numbers
+    loss = read_client_summary(p1.run_dir(sweep_dir))["final_train_loss"]  # local-only
+    assert loss == uninterrupted_loss
     assert len((p1.run_dir(sweep_dir) / "metrics.jsonl").read_text().splitlines()) == 2
     failed = result.runs[3]
     assert "nope" in (failed.error or "")

@@ -1,9 +1,13 @@
 """Load a finished run folder and rebuild what the attacks need: releases and feature paths.
 
 A run folder written by :func:`protofl.engine.runner.run_experiment` with ``run.save_releases``
-holds ``config.yaml`` and ``artifacts.pt`` (every round's releases per client, client names,
-domains, the indices of each client's training samples in its domain's TRAIN split, the final
-client model weights).  From these the attacks rebuild, per client:
+holds ``config.yaml`` and ``artifacts.pt`` (what the server received: every round's releases
+per client, client names, domains); the experimenter's ground truth, which never leaves a
+client (the indices of each client's training samples in its domain's TRAIN split, the final
+client model weights), is in ``client-artifacts.pt`` of the run's client-local folder
+``<run_dir>.client-local/`` (:func:`protofl.engine.rundir.client_local_dir`; a run made before
+that folder existed has both in ``artifacts.pt``).  From these the attacks rebuild, per
+client:
 
 * the data set (through the registry), the frozen backbone and the client's trainable model with
   its saved weights;
@@ -32,7 +36,11 @@ from protofl.config import ExperimentConfig
 from protofl.seeding import Stream, derive_seed
 
 REQUIRED_FILES = ("config.yaml", "artifacts.pt")
-REQUIRED_KEYS = ("releases", "clients", "domains", "train_indices", "models")
+REQUIRED_KEYS = ("releases", "clients", "domains")
+"""What ``artifacts.pt`` (the server's view) must hold."""
+CLIENT_KEYS = ("train_indices", "models")
+"""What the attacks take from the client side (``client-artifacts.pt``, or an older
+``artifacts.pt``)."""
 
 
 @dataclass
@@ -115,6 +123,7 @@ def load_run(run_dir: str | Path) -> RunArtifacts:
         raise ValueError(
             f"run {path} saved no prototype releases (method {config.method.name!r} releases none)"
         )
+    local = raw if all(k in raw for k in CLIENT_KEYS) else _client_artifacts(path, raw)
     summary: dict[str, Any] = {}
     if (path / "summary.json").is_file():
         import json
@@ -126,10 +135,32 @@ def load_run(run_dir: str | Path) -> RunArtifacts:
         releases=releases,
         clients=list(raw["clients"]),
         domains=list(raw["domains"]),
-        train_indices=[np.asarray(t, dtype=np.int64) for t in raw["train_indices"]],
-        models=list(raw["models"]),
+        train_indices=[np.asarray(t, dtype=np.int64) for t in local["train_indices"]],
+        models=list(local["models"]),
         summary=summary,
     )
+
+
+def _client_artifacts(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """The client side's ``client-artifacts.pt`` of the run in ``path`` (one-line errors)."""
+    from protofl.engine.rundir import CLIENT_ARTIFACTS, client_local_dir
+
+    file = client_local_dir(path) / CLIENT_ARTIFACTS
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{file} is missing: the attacks need the client models and training indices, which "
+            "are kept client-side beside the run folder, never in it (copy that folder along "
+            "with the run folder, or attack the run where it was made)"
+        )
+    try:
+        local = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # an unreadable or foreign file
+        raise ValueError(f"{file} cannot be read: {exc}") from None
+    if not isinstance(local, dict) or any(k not in local for k in CLIENT_KEYS):
+        raise ValueError(f"{file} lacks {', '.join(CLIENT_KEYS)}")
+    if list(local.get("clients", raw["clients"])) != list(raw["clients"]):
+        raise ValueError(f"{file} belongs to other clients than {path / 'artifacts.pt'}")
+    return local
 
 
 @dataclass

@@ -29,7 +29,8 @@ def save_checkpoint(run_dir: Path, round_index: int, state: dict[str, Any]) -> P
 
     The state is streamed to the file, never assembled in memory (with
     ``run.client_state=disk`` the clients' tensors are read from their mapped store as they
-    are written), and hashed by reading the file back in chunks."""
+    are written), and hashed by reading the file back in chunks.  The file has mode 0600 from
+    creation (``mkstemp``) to the end: a checkpoint holds the clients' models and state."""
     path = run_dir / f"checkpoint-{round_index:04d}.pt"
     run_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{path.name}.", suffix=".tmp")
@@ -39,7 +40,7 @@ def save_checkpoint(run_dir: Path, round_index: int, state: dict[str, Any]) -> P
             fh.flush()
             os.fsync(fh.fileno())
         digest, size = _sha256(Path(tmp))
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, 0o600)  # mkstemp's mode, whatever the umask: client state
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

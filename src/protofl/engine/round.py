@@ -59,7 +59,9 @@ class RoundMetrics:
     evaluation: str = "full"
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-safe dict for metrics.jsonl."""
+        """The whole row as a JSON-safe dict (a checkpoint's history).  A run folder splits it
+        (:func:`protofl.engine.rundir.split_round`): ``metrics.jsonl`` gets all but the
+        :data:`LOCAL_ONLY_FIELDS`, which go to the client-local ``diagnostics.jsonl``."""
         return {
             "round": self.round,
             "acc": self.acc,
@@ -81,8 +83,11 @@ class RoundMetrics:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RoundMetrics:
-        """Inverse of :meth:`to_json`."""
-        return cls(**{k: v for k, v in data.items() if k != "local_only"})
+        """Inverse of :meth:`to_json`; a ``metrics.jsonl`` row without its local-only fields
+        has a NaN ``train_loss`` (and no feature norms, MIA or partition overlap)."""
+        fields = {k: v for k, v in data.items() if k != "local_only"}
+        fields.setdefault("train_loss", math.nan)
+        return cls(**fields)
 
 
 # ----- 1. participants ---------------------------------------------------------------------------

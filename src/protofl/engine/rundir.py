@@ -15,6 +15,16 @@
   epsilon the accountant composes for all releases at the calibrated noise.  The run record
   and ``config.yaml`` stay what the run was calibrated for; :func:`target_rounds` is how many
   rounds the run now has to reach.
+* The run folder is **the server's view** (what a server-side reader may be given); what only
+  the clients' side holds goes to the **client-local folder** :func:`client_local_dir`,
+  ``<run_dir>.client-local/`` *beside* the run folder (mode 0700, its files 0600), so handing
+  someone the run folder never hands them client-local data: the local-only fields of every
+  round (:data:`~protofl.engine.round.LOCAL_ONLY_FIELDS`, ``diagnostics.jsonl``), the client
+  models and training indices (``client-artifacts.pt``) and the summary's local-only facts
+  (``client-summary.json``).  :func:`append_round` / :func:`rewrite_rounds` split a metrics row
+  between ``metrics.jsonl`` and ``diagnostics.jsonl``, :func:`write_summary` a summary between
+  ``summary.json`` and ``client-summary.json``; :func:`read_rounds` joins them again for the
+  experimenter's readers (a run made before the split has everything in ``metrics.jsonl``).
 """
 
 from __future__ import annotations
@@ -23,7 +33,8 @@ import contextlib
 import fcntl
 import json
 import os
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +43,15 @@ from protofl.config import CONFIG_SCHEMA, ConfigError, ExperimentConfig
 RECORD = "run-record.json"
 EXTENSIONS = "extensions.json"
 LOCK = ".lock"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+CLIENT_LOCAL_SUFFIX = ".client-local"
+DIAGNOSTICS = "diagnostics.jsonl"
+CLIENT_ARTIFACTS = "client-artifacts.pt"
+CLIENT_SUMMARY = "client-summary.json"
+SUMMARY_LOCAL_FIELDS = ("final_train_loss", "privacy.partition_overlap")
+"""Summary fields computed on clients' private data outside any mechanism (the last round's
+training loss, VPP's partition overlap): ``client-summary.json``, never ``summary.json``."""
 
 RESULT_FREE_KEYS = (
     "run.out_dir",
@@ -222,3 +242,181 @@ def add_extension(run_dir: Path, entry: Mapping[str, Any]) -> list[dict[str, Any
     text = json.dumps({"extensions": items}, indent=1, sort_keys=True) + "\n"
     atomic_write_bytes(run_dir / EXTENSIONS, text.encode())
     return items
+
+
+# ----- the client-local folder: what a server-side reader is never given ---------------------
+def client_local_dir(run_dir: str | Path) -> Path:
+    """``<run_dir>.client-local``: the clients' side of a run, beside (never inside) it."""
+    run_dir = Path(run_dir)
+    return run_dir.with_name(run_dir.name + CLIENT_LOCAL_SUFFIX)
+
+
+def open_client_local(run_dir: str | Path) -> Path:
+    """Create (or tighten) the client-local folder of ``run_dir`` with mode 0700; returns it."""
+    path = client_local_dir(run_dir)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def write_private(path: Path, write: Callable[[Any], Any]) -> None:
+    """Atomically write ``path`` with mode 0600 from creation: ``write(fh)`` fills a temporary
+    file in the same folder (``mkstemp``: 0600), which is fsynced and renamed over ``path``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _append_private(path: Path, text: str) -> None:
+    """Append ``text`` to ``path``, created with mode 0600 (an older file is tightened)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "a") as fh:
+        os.fchmod(fd, 0o600)
+        fh.write(text)
+
+
+def split_fields(
+    data: Mapping[str, Any], fields: Iterable[str]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``data`` without ``fields`` (dotted: ``privacy.partition_overlap``), and those fields,
+    nested the same way; neither input mapping is changed."""
+    rest: dict[str, Any] = dict(data)
+    taken: dict[str, Any] = {}
+    for name in fields:
+        head, _, below = name.partition(".")
+        if head not in rest:
+            continue
+        if not below:
+            taken[head] = rest.pop(head)
+            continue
+        sub = rest[head]
+        if not isinstance(sub, Mapping):
+            continue
+        kept, out = split_fields(sub, [below])
+        if out:
+            rest[head] = kept
+            taken[head] = merge_fields(taken.get(head, {}), out)
+    return rest, taken
+
+
+def merge_fields(data: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` with ``extra`` merged in (nested mappings merged, not replaced)."""
+    out = dict(data)
+    for key, value in extra.items():
+        below = out.get(key)
+        if isinstance(value, Mapping) and isinstance(below, Mapping):
+            out[key] = merge_fields(below, value)
+        else:
+            out[key] = value
+    return out
+
+
+def _local_fields() -> tuple[str, ...]:
+    from protofl.engine.round import LOCAL_ONLY_FIELDS
+
+    return LOCAL_ONLY_FIELDS
+
+
+def _json_line(data: Mapping[str, Any]) -> str:
+    return json.dumps(data) + "\n"
+
+
+def split_round(row: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A metrics row (``RoundMetrics.to_json()``) as (the server's part: ``metrics.jsonl``, the
+    local-only part with its ``round``: ``diagnostics.jsonl``)."""
+    server, local = split_fields(row, _local_fields())
+    return server, {"round": row["round"], **local}
+
+
+def append_round(run_dir: Path, row: Mapping[str, Any], *, keep_local: bool = True) -> None:
+    """Append one round: its server part to ``metrics.jsonl`` and (``keep_local``) its
+    local-only part to the client-local ``diagnostics.jsonl``; without ``keep_local`` (a
+    deployed Flower server, which never received them) the local-only fields are dropped."""
+    server, local = split_round(row)
+    if keep_local:
+        _append_private(open_client_local(run_dir) / DIAGNOSTICS, _json_line(local))
+    with open(run_dir / METRICS, "a") as fh:
+        fh.write(_json_line(server))
+
+
+def rewrite_rounds(
+    run_dir: Path, rows: Iterable[Mapping[str, Any]], *, keep_local: bool = True
+) -> None:
+    """Write ``metrics.jsonl`` (and ``diagnostics.jsonl``) anew with ``rows`` (a new run: none;
+    a resume: the history its checkpoint restored)."""
+    parts = [split_round(r) for r in rows]
+    if keep_local:
+        text = "".join(_json_line(local) for _, local in parts).encode()
+        write_private(open_client_local(run_dir) / DIAGNOSTICS, lambda fh: fh.write(text))
+    (run_dir / METRICS).write_text("".join(_json_line(server) for server, _ in parts))
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """A JSON-lines file as dicts (missing: none; a torn last line, a killed run, is ignored)."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def read_diagnostics(run_dir: str | Path) -> dict[int, dict[str, Any]]:
+    """The client-local per-round diagnostics of ``run_dir`` by round (empty: none kept)."""
+    rows = _read_jsonl(client_local_dir(run_dir) / DIAGNOSTICS)
+    return {int(r["round"]): r for r in rows if isinstance(r.get("round"), int)}
+
+
+def read_rounds(run_dir: str | Path) -> list[dict[str, Any]]:
+    """``metrics.jsonl`` rows with each round's client-local diagnostics merged back in, when
+    the client-local folder has them (the experimenter's full view of every round)."""
+    rows = _read_jsonl(Path(run_dir) / METRICS)
+    local = read_diagnostics(run_dir)
+    if not local:
+        return rows
+    return [merge_fields(r, local.get(r.get("round"), {})) for r in rows]  # type: ignore[arg-type]
+
+
+def write_summary(
+    run_dir: Path,
+    summary: Mapping[str, Any],
+    *,
+    local: Iterable[str] = SUMMARY_LOCAL_FIELDS,
+    keep_local: bool = True,
+) -> dict[str, Any]:
+    """Write ``summary.json`` without the ``local`` fields and (``keep_local``) those to the
+    client-local ``client-summary.json``; returns what ``summary.json`` holds."""
+    server, taken = split_fields(summary, local)
+    if keep_local and taken:
+        text = (json.dumps(taken, indent=2) + "\n").encode()
+        write_private(open_client_local(run_dir) / CLIENT_SUMMARY, lambda fh: fh.write(text))
+    (run_dir / SUMMARY).write_text(json.dumps(server, indent=2) + "\n")
+    return server
+
+
+def read_client_summary(run_dir: str | Path) -> dict[str, Any]:
+    """The client-local part of a run's summary (empty: none kept)."""
+    path = client_local_dir(run_dir) / CLIENT_SUMMARY
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import platform
 import re
@@ -25,15 +24,23 @@ from protofl.data.cache import protofl_home
 from protofl.engine.checkpoint import load_latest_checkpoint, save_checkpoint
 from protofl.engine.federated_data import FederatedData, build_federated_data, preflight
 from protofl.engine.rundir import (
+    CLIENT_ARTIFACTS,
+    SUMMARY_LOCAL_FIELDS,
     FolderLock,
     add_extension,
+    append_round,
     check_resume,
     claim_dir,
+    open_client_local,
     read_extensions,
     read_record,
     record_engine,
+    rewrite_rounds,
+    split_round,
     target_rounds,
+    write_private,
     write_record,
+    write_summary,
 )
 from protofl.engine.simulation import RoundMetrics, Simulation, summarise
 from protofl.errors import ConfigError
@@ -382,12 +389,12 @@ class RunSession:
         self._lock = lock
         self._handler: logging.Handler | None = None
         self._tensorboard: Any = None
+        self._tensorboard_local: Any = None
         self.sim: Simulation = None  # type: ignore[assignment]  # set by open()
         self.data: FederatedData | None = None
         self.setup_s = 0.0
         self.target = 0
         self.extensions: list[dict[str, Any]] = []
-        self.metrics_path = run_dir / "metrics.jsonl"
         self.state_dir: Path | None = None
 
     def open(
@@ -434,16 +441,18 @@ class RunSession:
             if state is not None:
                 sim.load_state_dict(state)
             log.info("resuming %s after round %d", run_dir, sim.round)
-            # metrics.jsonl may hold a round written after the last checkpoint: rewrite it
-            self.metrics_path.write_text(
-                "".join(json.dumps(m.to_json()) + "\n" for m in sim.history)
-            )
+            # metrics.jsonl (and the client-local diagnostics.jsonl) may hold a round written
+            # after the last checkpoint: both are rewritten from the history it restored
+            rewrite_rounds(run_dir, [m.to_json() for m in sim.history])
         else:
-            self.metrics_path.write_text("")
+            rewrite_rounds(run_dir, [])
         if config.run.tensorboard:
             from protofl.report.tensorboard import TensorBoardLogger
 
+            # the server's scalars in the run folder, the local-only ones (training loss) in
+            # the client-local folder
             self._tensorboard = TensorBoardLogger(run_dir)
+            self._tensorboard_local = TensorBoardLogger(open_client_local(run_dir))
         return sim
 
     def checkpoint_state(self) -> dict[str, Any]:
@@ -451,11 +460,14 @@ class RunSession:
         return self.sim.state_dict()
 
     def on_round(self, m: RoundMetrics) -> None:
-        """After each round: metrics.jsonl, TensorBoard, the checkpoint, the log line."""
+        """After each round: metrics.jsonl (the server's part of the row) and the client-local
+        diagnostics.jsonl (its local-only fields), TensorBoard, the checkpoint, the log line."""
+        row = m.to_json()
         if self._tensorboard is not None:
-            self._tensorboard.log_round(m)
-        with open(self.metrics_path, "a") as fh:
-            fh.write(json.dumps(m.to_json()) + "\n")
+            server, local = split_round(row)
+            self._tensorboard.log_round(server)
+            self._tensorboard_local.log_round(local)
+        append_round(self.run_dir, row)
         fed = self.config.federation
         if fed.checkpoint and (m.round % fed.checkpoint_every == 0 or m.round == self.target):
             save_checkpoint(self.run_dir, m.round, self.checkpoint_state())
@@ -465,7 +477,10 @@ class RunSession:
         )
 
     def finish(self, history: list[RoundMetrics]) -> RunResult:
-        """Write summary.json (and the artifacts with ``run.save_releases``)."""
+        """Write summary.json (and the artifacts with ``run.save_releases``).  Local-only facts
+        (the training loss, VPP's partition overlap, the exact training counts when the
+        relation does not make them public) go to the client-local ``client-summary.json``;
+        the returned summary holds everything."""
         config, run_dir, sim, data = self.config, self.run_dir, self.sim, self.data
         assert data is not None
         if not history:
@@ -498,7 +513,8 @@ class RunSession:
                 "environment": {**environment(), **device_facts(sim.device)},
             }
         )
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        local = SUMMARY_LOCAL_FIELDS if sim.counts_public else (*SUMMARY_LOCAL_FIELDS, "num_train")
+        write_summary(run_dir, summary, local=local)
         if config.run.save_releases:
             save_artifacts(sim, run_dir)
         if self.state_dir is not None:
@@ -509,7 +525,8 @@ class RunSession:
         """Close TensorBoard, detach the log, release the folder lock (idempotent)."""
         if self._tensorboard is not None:
             self._tensorboard.close()
-            self._tensorboard = None
+            self._tensorboard_local.close()
+            self._tensorboard = self._tensorboard_local = None
         if self._handler is not None:
             logging.getLogger("protofl").removeHandler(self._handler)
             self._handler.close()
@@ -545,7 +562,11 @@ def _run_with_progress(
 
 
 def save_artifacts(sim: Simulation, run_dir: Path) -> None:
-    """Save what later attacks need: every round's releases and the final client models."""
+    """Save what later attacks need.  ``artifacts.pt`` (the run folder: what the server
+    received) holds every round's releases as uploaded, client names and domains and the
+    global state; the final client models and each client's training indices (the attacks'
+    ground truth, which never leaves a client) go to the client-local ``client-artifacts.pt``
+    (mode 0600), for weight-sharing methods too."""
     releases = [
         [
             None
@@ -568,9 +589,13 @@ def save_artifacts(sim: Simulation, run_dir: Path) -> None:
             "releases": releases,
             "clients": [c.data.name for c in sim.clients],
             "domains": [c.data.domain_name for c in sim.clients],
-            "train_indices": [torch.from_numpy(c.data.train_indices) for c in sim.clients],
-            "models": [c.model.state_dict() for c in sim.clients],
             "global_state": sim.global_state,
         },
         run_dir / "artifacts.pt",
     )
+    local = {
+        "clients": [c.data.name for c in sim.clients],
+        "train_indices": [torch.from_numpy(c.data.train_indices) for c in sim.clients],
+        "models": [c.model.state_dict() for c in sim.clients],
+    }
+    write_private(open_client_local(run_dir) / CLIENT_ARTIFACTS, lambda fh: torch.save(local, fh))

@@ -327,8 +327,11 @@ def _run_doc(
             "feature norms",
         )
     else:
-        notes.append("feature norms: the run did not record feature_norms in metrics.jsonl")
-    if tsne and (rec.path / "artifacts.pt").exists():
+        notes.append(
+            "feature norms: the run did not record feature_norms (or its client-local folder "
+            "was not kept beside it)"
+        )
+    if tsne and plots.client_model_file(rec.path) is not None:
         _try_figure(
             doc,
             lambda: plots.plot_tsne(rec, figdir / "tsne", max_points=tsne_points, home=home),

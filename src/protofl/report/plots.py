@@ -202,7 +202,8 @@ def _norm_rows(rec: RunRecord) -> list[tuple[int, list[Mapping[str, float]]]]:
 
 
 def has_feature_norms(run: RunRecord) -> bool:
-    """Whether the run recorded ``feature_norms`` in its metrics."""
+    """Whether the run recorded ``feature_norms`` (local-only: in its client-local
+    ``diagnostics.jsonl``, or in ``metrics.jsonl`` of a run made before that split)."""
     return bool(_norm_rows(run))
 
 
@@ -215,8 +216,8 @@ def plot_feature_norms(
     recs = [r for r in recs if has_feature_norms(r)]
     if not recs:
         raise ValueError(
-            "no run has feature_norms in metrics.jsonl (per-round norm quantiles of the uploaded "
-            "features, recorded by the engine)"
+            "no run has feature_norms (per-round norm quantiles of the uploaded features, "
+            "recorded by the engine in the run's client-local diagnostics.jsonl)"
         )
     fig = _figure(4.6 * len(recs), 3.8)
     axes = fig.subplots(1, len(recs), sharey=True, squeeze=False)[0]
@@ -247,6 +248,22 @@ def plot_feature_norms(
 # --------------------------------------------------------------------------------------------
 # t-SNE
 # --------------------------------------------------------------------------------------------
+def client_model_file(run_dir: Path) -> Path | None:
+    """Where a run keeps its final client models: the client-local ``client-artifacts.pt``,
+    or ``artifacts.pt`` of a run made before that split (None: nowhere)."""
+    import torch
+
+    from protofl.engine.rundir import CLIENT_ARTIFACTS, client_local_dir
+
+    local = client_local_dir(run_dir) / CLIENT_ARTIFACTS
+    if local.is_file():
+        return local
+    old = Path(run_dir) / "artifacts.pt"
+    if old.is_file() and "models" in torch.load(old, map_location="cpu", weights_only=True):
+        return old
+    return None
+
+
 def client_features(
     run: RunRecord | str | Path,
     *,
@@ -257,7 +274,8 @@ def client_features(
 ) -> dict[str, Any]:
     """Features of the run's final client models on their own data (subsampled evenly over
     clients): ``{"features": [n, d], "labels", "domains" (ints), "clients", "class_names",
-    "domain_names"}``.  Rebuilds the cached frozen features and loads ``artifacts.pt``."""
+    "domain_names"}``.  Rebuilds the cached frozen features and loads the final client models
+    from the run's client-local ``client-artifacts.pt`` (``artifacts.pt`` of an older run)."""
     import torch
 
     from protofl.config import ExperimentConfig
@@ -267,9 +285,12 @@ def client_features(
     from protofl.models.backbones import backbone_class
 
     rec = _as_record(run)
-    path = rec.path / "artifacts.pt"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist (run.save_releases was off?)")
+    path = client_model_file(rec.path)
+    if path is None:
+        raise FileNotFoundError(
+            f"{rec.path} has no saved client models (run.save_releases was off, or the run's "
+            "client-local folder was not kept beside it)"
+        )
     if split not in ("train", "test"):
         raise ValueError(f"split must be train or test, got {split!r}")
     config = ExperimentConfig.from_yaml(rec.path / "config.yaml")

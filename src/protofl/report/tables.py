@@ -192,19 +192,12 @@ def check_metric(metric: str) -> None:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """``metrics.jsonl`` as a list of dicts; a torn last line (a killed run) is ignored."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return rows
+    """``metrics.jsonl`` as a list of dicts, each round's local-only diagnostics merged back in
+    from the run's client-local folder when it is there
+    (:func:`protofl.engine.rundir.read_rounds`); a torn last line (a killed run) is ignored."""
+    from protofl.engine.rundir import read_rounds
+
+    return read_rounds(run_dir)
 
 
 def load_run(path: str | Path) -> RunRecord:
