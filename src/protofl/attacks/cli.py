@@ -17,6 +17,12 @@ from typing import Any
 
 from protofl.privacy.base import private_mechanisms
 
+# the audit's defaults (protofl.attacks.audit, imported only when the audit runs)
+AUDIT_TRIALS = 64_000
+AUDIT_CANARIES = 64
+AUDIT_MODES = ("release", "fast", "both")
+AUDIT_CLAIMS = ("profile", "point")
+
 MIA_COLUMNS = (
     ("mia_auc", "AUC"),
     ("mia_tpr_at_1fpr", "TPR@1%FPR"),
@@ -152,6 +158,8 @@ def _audit(args: argparse.Namespace, audit_mechanism: Any) -> dict[str, Any]:
         confidence=args.confidence,
         noise_scale=args.noise_scale,
         dim=args.dim,
+        canaries=args.canaries,
+        claim=args.claim,
         seed=args.seed,
     )
 
@@ -170,37 +178,66 @@ def _print_audit(args: argparse.Namespace, result: dict[str, Any]) -> int:
         title=(
             f"DP audit of {result['mechanism']} (noise x{result['noise_scale']:g}) at "
             f"epsilon={result['epsilon']:g}, delta={result['delta']:g}: whole runs of "
-            f"{result['rounds']} release(s)"
+            f"{result['rounds']} release(s); claim: {result['claim']} "
+            f"(run epsilon {result['epsilon_claimed']:.4f}, a guess right at most "
+            f"{result['accuracy_claimed_max']:.4f})"
         )
     )
     for col in (
         "mode",
         "trials",
-        "claimed eps (run)",
-        f"eps lower bound ({conf})",
-        "GDP mu (claimed)",
-        f"GDP mu lower ({conf})",
-        "CP bound",
+        "accuracy",
+        f"accuracy lower ({conf})",
+        "mu lower",
+        "mu claimed",
+        f"eps at delta lower ({conf})",
+        "GDP estimate (not used)",
+        "sees noise x",
+        "flagged",
         "seconds",
     ):
         table.add_column(col, justify="right")
     for mode, res in result["modes"].items():
         table.add_row(
             mode,
-            str(res["trials"]),
-            f"{result['epsilon_claimed']:.4f}",
-            f"{res['epsilon_lower_bound']:.4f}",
+            f"{res['trials']} ({res['clients']} x {res['canaries_per_client']})"
+            if mode == "release"
+            else str(res["trials"]),
+            f"{res['accuracy']:.4f}",
+            f"{res['accuracy_lower_bound']:.4f}",
+            f"{res['mu_lower_bound']:.4f}",
             f"{result['mu_claimed']:.4f}",
-            f"{res['gdp']['mu_lower']:.4f}",
-            f"{res['clopper_pearson']['epsilon_lower_bound']:.4f}",
+            f"{res['epsilon_lower_bound']:.4f}",
+            f"{res['gdp_estimate']['epsilon_lower_bound']:.4f}",
+            f"{res['detectable_noise_scale']:.2f}",
+            "yes" if res["violation"] else "no",
             f"{res['seconds']:.1f}",
         )
-    Console(width=160).print(table)
-    verdict = "VIOLATION" if result["violation"] else "no violation"
-    print(
-        f"{verdict}: lower bound {result['epsilon_lower_bound']:.4f} vs claimed "
-        f"{result['epsilon_claimed']:.4f}"
-    )
+    Console(width=180).print(table)
+    if result["violation"]:
+        flagged = list(result["modes"].values())
+        reasons = []
+        if any(r["flagged_balanced"] for r in flagged):
+            reasons.append(
+                f"a guess of the canary is right with probability >= "
+                f"{result['accuracy_lower_bound']:.4f} > {result['accuracy_claimed_max']:.4f} "
+                f"claimed (no mu-GDP claim with mu < {result['mu_lower_bound']:.4f} holds, "
+                f"i.e. epsilon {result['epsilon_gdp_refuted']:.4f} at delta)"
+            )
+        if any(r["flagged_tail"] for r in flagged):
+            reasons.append(
+                f"epsilon at delta >= {result['epsilon_lower_bound']:.4f} > "
+                f"{result['epsilon_claimed']:.4f} claimed"
+            )
+        print(f"VIOLATION ({conf}, model-free): " + "; ".join(reasons))
+    else:
+        print(
+            f"no violation ({conf}, model-free): accuracy lower bound "
+            f"{result['accuracy_lower_bound']:.4f} <= {result['accuracy_claimed_max']:.4f} "
+            f"claimed, epsilon at delta lower bound {result['epsilon_lower_bound']:.4f} <= "
+            f"{result['epsilon_claimed']:.4f}; this audit sees a Gaussian mechanism adding "
+            f"less than {result['detectable_noise_scale']:.2f} x the claimed noise"
+        )
     return 1 if result["violation"] else 0
 
 
@@ -250,7 +287,9 @@ def add_attack_parsers(subparsers: Any) -> tuple[argparse.ArgumentParser, argpar
     attack.set_defaults(func=_cmd_attack)
 
     audit: argparse.ArgumentParser = subparsers.add_parser(
-        "audit", help="empirical lower bound on a mechanism's epsilon (exit 1 on a violation)"
+        "audit",
+        help="model-free test of a mechanism's claimed privacy over whole runs (exit 1 on a "
+        "violation)",
     )
     audit.add_argument("--mechanism", choices=private_mechanisms(), required=True)
     audit.add_argument("--epsilon", type=float, required=True)
@@ -258,16 +297,35 @@ def add_attack_parsers(subparsers: Any) -> tuple[argparse.ArgumentParser, argpar
     audit.add_argument(
         "--trials",
         type=int,
-        default=100_000,
-        help="trials (whole runs) per data set, vectorised (default 100000)",
+        default=AUDIT_TRIALS,
+        help=f"trials: canaries, each in a whole run (default {AUDIT_TRIALS})",
     )
     audit.add_argument(
         "--release-trials",
         type=int,
-        default=2_000,
-        help="trials per data set through the real releases (default 2000)",
+        default=AUDIT_TRIALS,
+        help=f"trials of the release mode under --mode both (default {AUDIT_TRIALS})",
     )
-    audit.add_argument("--mode", choices=("fast", "release", "both"), default="both")
+    audit.add_argument(
+        "--mode",
+        choices=AUDIT_MODES,
+        default="release",
+        help="release: the real releases (default); fast: simulated Gaussian noise of the "
+        "stated std; both",
+    )
+    audit.add_argument(
+        "--canaries",
+        type=int,
+        default=AUDIT_CANARIES,
+        help=f"canaries per client, one per class (default {AUDIT_CANARIES})",
+    )
+    audit.add_argument(
+        "--claim",
+        choices=AUDIT_CLAIMS,
+        default="profile",
+        help="profile: the accountant's whole privacy profile of the run (default); point: "
+        "the run's (epsilon, delta) alone",
+    )
     audit.add_argument(
         "--rounds",
         type=int,
@@ -278,7 +336,7 @@ def add_attack_parsers(subparsers: Any) -> tuple[argparse.ArgumentParser, argpar
         "--confidence",
         type=float,
         default=0.99,
-        help="confidence level of the lower bound (default 0.99)",
+        help="confidence level of the verdict and the bounds (default 0.99)",
     )
     audit.add_argument(
         "--noise-scale",
