@@ -3,7 +3,9 @@
 * :func:`mia_on_release` / :func:`mia_on_run`: membership inference (VPDR App. E.6.2) plus a
   calibrated likelihood-ratio variant.
 * :func:`hijack` / :func:`fsh_on_run`: feature-space hijacking (VPDR App. E.6.1).
-* :func:`audit_mechanism`: a 95% statistical lower bound on a mechanism's epsilon.
+* :func:`audit_mechanism`: a model-free test of a mechanism's real releases against its stated
+  privacy (a violation is flagged only on a bound valid for any mechanism; the GDP figure is an
+  estimate beside it).
 * :func:`load_run` / :func:`rebuild_clients`: a finished run's releases and feature paths.
 * :func:`add_attack_parsers`: the ``attack`` and ``audit`` sub-commands.
 """
