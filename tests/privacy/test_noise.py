@@ -210,3 +210,80 @@ def test_draws_are_standard_gaussian_and_laplace() -> None:
     assert u.min() > 0.0 and u.max() < 1.0 and abs(u.mean() - 0.5) < 0.005
     perm = NoiseKey.derived(0, 0).permutation(50, "p")
     assert sorted(perm.tolist()) == list(range(50))
+
+
+# ----- keys never beside the results: the run-folder read of issue 41 ---------------------------
+def _planted_keys(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Make every secret key a recognisable one (the test must know the keys to search for)."""
+    import os
+
+    drawn: list[bytes] = []
+
+    def token_bytes(n: int) -> bytes:
+        key = b"KEY!" + len(drawn).to_bytes(4, "little") + os.urandom(n - 8)
+        drawn.append(key)
+        return key
+
+    monkeypatch.setattr("protofl.privacy.noise.secrets.token_bytes", token_bytes)
+    return drawn
+
+
+def _files_holding(keys: list[bytes], *folders: Path) -> list[str]:
+    found = []
+    for folder in folders:
+        for path in folder.rglob("*"):
+            if path.is_file():
+                data = path.read_bytes()
+                if any(k in data or k.hex().encode() in data for k in keys):
+                    found.append(str(path))
+    return found
+
+
+def test_no_file_a_run_writes_holds_a_secret_key_and_resume_and_extend_draw_fresh_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On main, checkpoints held each client's generator state (the key) and the noise could be
+    regenerated from them.  Now no file of the run, its client-local folder or its checkpoints
+    holds any key drawn; a resumed run and an extended run draw fresh keys, so no round's noise
+    is ever drawn twice under the same key."""
+    from protofl.engine.runner import extend_experiment, resume_experiment, run_experiment
+
+    keys = _planted_keys(monkeypatch)
+    config = tiny_config("fedproto", "igpp", rounds=2).with_overrides(
+        ["privacy.noise_seed=secret", "federation.checkpoint=true"]
+    )
+    result = run_experiment(config, out=tmp_path / "runs", home=tmp_path / "home")
+    first = len(keys)
+    assert first == 2  # one per client
+    assert not _files_holding(keys, tmp_path / "runs")
+    checkpoints = sorted(result.run_dir.glob("checkpoint-*.pt"))
+    assert checkpoints
+    state = torch.load(checkpoints[-1], weights_only=False)
+    for client in state["clients"]:
+        assert client["noise_gen"] == {"mode": "secret", "draws": client["noise_gen"]["draws"]}
+    # resume from the round-1 checkpoint: round 2 is drawn again, under new keys
+    for extra in checkpoints[1:]:
+        extra.unlink()
+    (result.run_dir / "summary.json").unlink()
+    resumed = resume_experiment(result.run_dir, home=tmp_path / "home")
+    assert len(keys) == first + 2 and len(set(keys)) == len(keys)
+    extend_experiment(resumed.run_dir, 1, home=tmp_path / "home")
+    assert len(keys) == first + 4 and len(set(keys)) == len(keys)
+    assert not _files_holding(keys, tmp_path / "runs")
+
+
+def test_no_flower_node_file_or_context_holds_a_secret_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """protofl's Flower simulation with a run folder keeps node files in <run>/nodes/: on main
+    they (and the Contexts) held each client's generator state, starting with its seed."""
+    from protofl.engine.flower.run import run_flower_simulation
+
+    keys = _planted_keys(monkeypatch)
+    config = tiny_config("fedproto", "vpp", rounds=2).with_overrides(["privacy.noise_seed=secret"])
+    result = run_flower_simulation(
+        config, home=tmp_path / "home", backend="inline", out=tmp_path / "runs"
+    )
+    assert result.run_dir is not None and list((result.run_dir / "nodes").rglob("*.pt"))
+    assert len(keys) == 2
+    assert not _files_holding(keys, tmp_path / "runs")
