@@ -22,6 +22,7 @@ and on no other.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,9 @@ class EngineResult(Protocol):
     @property
     def summary(self) -> dict[str, Any]:
         """``summary.json``'s content."""
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -145,10 +149,39 @@ register_engine(
 )
 
 
+def mechanism_scope(config: ExperimentConfig) -> str | None:
+    """One line when ``privacy.mechanism`` protects nothing because the method releases no
+    prototypes (the mechanism only acts on prototype releases), else None."""
+    from protofl.methods.base import METHOD_REGISTRY
+
+    mechanism = config.privacy.mechanism
+    method = METHOD_REGISTRY.get(config.method.name)
+    if mechanism == "none" or method.uses_prototypes:
+        return None
+    dcr = " (DCR still changes local training)" if config.privacy.use_dcr else ""
+    if method.shares_weights:
+        sent = "its model weights leave every client without noise"
+    else:
+        sent = "it uploads no prototypes"
+    return (
+        f"method {config.method.name} releases no prototypes: privacy.mechanism={mechanism} "
+        f"adds no noise and protects nothing here; {sent}{dcr}; the run's guarantee says "
+        "'no privacy guarantee'"
+    )
+
+
+def warn_mechanism_scope(config: ExperimentConfig) -> None:
+    """Log :func:`mechanism_scope`'s line as a warning (it reaches the console)."""
+    line = mechanism_scope(config)
+    if line is not None:
+        log.warning("%s", line)
+
+
 def run_engine(config: ExperimentConfig, options: EngineOptions | None = None) -> EngineResult:
     """Run ``config`` on the engine ``run.engine`` names (an unknown name fails first, with
     the valid ones)."""
     engine = ENGINE_REGISTRY.get(config.run.engine)
+    warn_mechanism_scope(config)
     return engine.run(config, options or EngineOptions())
 
 

@@ -1194,6 +1194,7 @@ def execute_point(run_dir: str, config_yaml: str, home: str | None) -> dict[str,
     """Run (or resume) one grid point in ``run_dir``; never raises: failures come back as
     ``{"status": "failed", "error": ..., "traceback": ...}`` (also written to ``error.txt``)."""
     from protofl.engine.checkpoint import CheckpointError
+    from protofl.engine.engines import warn_mechanism_scope
     from protofl.engine.runner import run_in_dir
 
     t0 = time.perf_counter()
@@ -1203,6 +1204,7 @@ def execute_point(run_dir: str, config_yaml: str, home: str | None) -> dict[str,
     action, resumed_from = "ran", None
     try:
         config = ExperimentConfig.from_dict(yamlio.load(config_yaml) or {}, source=run_dir)
+        warn_mechanism_scope(config)
         (path / "config.yaml").write_text(config.to_yaml())
         home_path = Path(home) if home else None
         resume = (path / "checkpoints.json").exists()

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from protofl.config import BackboneConfig
+from protofl.extras import install_hint
 from protofl.models.backbones import (
     BACKBONE_REGISTRY,
     BackboneOption,
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json")
-INSTALL_HINT = "pip install 'protofl[text]' (transformers, safetensors)"
+INSTALL_HINT = install_hint("text") + " (transformers, safetensors)"
 
 ENV_VIT_CHECKPOINT = "PROTOFL_VIT_CHECKPOINT"
 ENV_VIT_ADAPT_LAST_K = "PROTOFL_VIT_ADAPT_LAST_K"
