@@ -175,3 +175,18 @@ def test_the_report_reads_feature_norms_from_the_client_local_folder(run: RunRes
     alone = run.run_dir.parent / "alone-copy"
     shutil.copytree(run.run_dir, alone, ignore=shutil.ignore_patterns("*.pt"))
     assert not has_feature_norms(load_run(alone))
+
+
+def test_small_class_warnings_with_exact_counts_go_to_the_client_log_not_run_log(
+    tmp_path: Path,
+) -> None:
+    """run.log is in the run folder: a warning naming a class's exact sample count (``only 2
+    sample(s)``) is the client's, so it goes to ``<run>.client-local/client.log`` (0600)."""
+    config = tiny_config("fedproto", "igpp", rounds=1).with_overrides(
+        ["privacy.warn_min_count=1000", "run.save_releases=false"]
+    )
+    result = run_experiment(config, out=tmp_path)
+    assert "sample(s)" not in (result.run_dir / "run.log").read_text()
+    client_log = client_local_dir(result.run_dir) / "client.log"
+    assert "local-only diagnostic" in client_log.read_text()
+    assert _mode(client_log) == 0o600

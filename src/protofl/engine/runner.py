@@ -62,10 +62,14 @@ class RunResult:
 
 
 def make_run_dir(config: ExperimentConfig, out: str | Path | None) -> Path:
-    """``<out>/<time>-<name>/`` (a unique folder, claimed atomically)."""
+    """``<out>/<time>-<name>/`` (a unique folder, claimed atomically); a config without a name
+    of its own (``default``) is named after what runs: ``<method>-<mechanism>``."""
     root = Path(out) if out is not None else Path(config.run.out_dir)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", config.name).strip("-") or "run"
+    name = config.name
+    if name == "default":
+        name = f"{config.method.name}-{config.privacy.mechanism}"
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "run"
     return claim_dir(root, f"{stamp}-{safe}")
 
 
@@ -75,9 +79,40 @@ def start_run_dir(config: ExperimentConfig, run_dir: Path, *, engine: str = "sim
     write_record(run_dir, config, engine=engine)
 
 
+class RunLogHandler(logging.Handler):
+    """``run.log`` for what the server may read, and ``<run>.client-local/client.log`` (made
+    on the first such record, 0600) for records computed on a client's private data: those
+    logged with ``extra={"local_only": True}`` (small-class warnings with exact counts)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__()
+        self.run_dir = run_dir
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self._server = logging.FileHandler(run_dir / "run.log")
+        self._client: logging.FileHandler | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        target = self._server
+        if getattr(record, "local_only", False):
+            if self._client is None:
+                from protofl.engine.rundir import open_client_local
+
+                path = open_client_local(self.run_dir) / "client.log"
+                path.touch(mode=0o600, exist_ok=True)
+                self._client = logging.FileHandler(path)
+            target = self._client
+        target.setFormatter(self.formatter)
+        target.emit(record)
+
+    def close(self) -> None:
+        for h in (self._server, self._client):
+            if h is not None:
+                h.close()
+        super().close()
+
+
 def attach_log(run_dir: Path) -> logging.Handler:
-    handler = logging.FileHandler(run_dir / "run.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler = RunLogHandler(run_dir)
     root = logging.getLogger("protofl")
     root.setLevel(logging.INFO)
     root.addHandler(handler)

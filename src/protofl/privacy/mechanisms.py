@@ -252,6 +252,7 @@ class _PrototypeMechanism(Mechanism):
                 int(built.classes[i]),
                 n,
                 float(built.sensitivity[i]),
+                extra={"local_only": True},  # an exact count: the client's log, not run.log
             )
 
     def _noisy(
