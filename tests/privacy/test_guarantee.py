@@ -14,6 +14,7 @@ from protofl.privacy.guarantee import (
     CLUSTER_GAP,
     DIAGNOSTICS_GAP,
     EVALUATION_GAP,
+    TRAINED_MAP_GAP,
     WEIGHTS_GAP,
     describe_guarantee,
 )
@@ -61,3 +62,27 @@ def test_evaluation_and_diagnostics_reaching_the_server_make_the_guarantee_incom
     assert not g["holds_against_server"]
     d = describe_guarantee(cfg, noise_key="secret", rounds=20, diagnostics_reported=True)
     assert DIAGNOSTICS_GAP in d["not_covered"] and "NOT covered: diagnostics" in d["statement"]
+
+
+def test_releases_through_a_map_trained_on_the_same_data_are_not_covered(tmp_path: Path) -> None:
+    """The sensitivity 2R/n bounds one example's effect on a mean of features from a fixed map;
+    a client that trains its adapter on its data between releases changes every feature when
+    one example changes.  Every multi-round engine run says so; the first release (public
+    initialisation) and the plug-in over a frozen encoder are covered."""
+    from protofl.privacy import PrototypePrivacy
+
+    cfg = PrivacyConfig(mechanism="igpp", epsilon=1.0)
+    g = describe_guarantee(cfg, noise_key="secret", rounds=5, trained_feature_map=True)
+    assert TRAINED_MAP_GAP in g["not_covered"] and not g["complete"]
+    assert "NOT covered: the trained feature map" in g["statement"]
+    assert describe_guarantee(cfg, noise_key="secret", rounds=1, trained_feature_map=True)[
+        "complete"
+    ]
+    config = tiny_config("fedproto", "igpp", rounds=2).with_overrides(
+        ["run.save_releases=false", "privacy.noise_seed=secret"]
+    )
+    g = run_experiment(config, out=tmp_path).summary["privacy"]["guarantee"]
+    assert g["not_covered"] == [TRAINED_MAP_GAP, EVALUATION_GAP]
+    facade = PrototypePrivacy(rounds=3, mechanism="igpp")
+    assert facade.guarantee()["complete"]
+    assert TRAINED_MAP_GAP in facade.guarantee(trained_feature_map=True)["not_covered"]

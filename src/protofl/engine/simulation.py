@@ -678,6 +678,8 @@ class Simulation:
             other_uploads=self.method.extra_uploads,
             # every round's per-client accuracy is in metrics.jsonl, the server's view
             evaluation_reported=True,
+            # every client trains its adapter/projection between releases
+            trained_feature_map=True,
         )
 
     def run(

@@ -193,10 +193,21 @@ class PrototypePrivacy:
         compose with your own mechanisms (see examples/dp_accounting_ledger.py)."""
         return self.ledger.events()
 
-    def guarantee(self, *, shares_weights: bool = False) -> dict[str, Any]:
-        """What the guarantee covers (:func:`~protofl.privacy.guarantee.describe_guarantee`)."""
+    def guarantee(
+        self, *, shares_weights: bool = False, trained_feature_map: bool = False
+    ) -> dict[str, Any]:
+        """What the guarantee covers (:func:`~protofl.privacy.guarantee.describe_guarantee`).
+
+        The sensitivity 2R/n assumes the features you release come from a map that does not
+        depend on this client's data (a frozen or public encoder); if you train the feature
+        extractor on the same data between releases, pass ``trained_feature_map=True``: the
+        statement then says that part is not covered."""
         return describe_guarantee(
-            self.config, noise_key=self.noise_key, rounds=self.rounds, shares_weights=shares_weights
+            self.config,
+            noise_key=self.noise_key,
+            rounds=self.rounds,
+            shares_weights=shares_weights,
+            trained_feature_map=trained_feature_map,
         )
 
     # ----- DCR ------------------------------------------------------------------------------------

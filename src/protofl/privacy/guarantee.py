@@ -33,6 +33,13 @@ EVALUATION_GAP = (
     "client's private data and sent without noise; whoever replays training from the config "
     "can tell neighbouring data sets apart from it"
 )
+TRAINED_MAP_GAP = (
+    "the trained feature map: from the second release on, prototypes are means of features "
+    "from an adapter/projection trained on the client's own data without DP; replacing one "
+    "example changes that map and so every feature, so the per-example sensitivity 2R/n (R/n) "
+    "does not bound the change and the stated epsilon is proven only for releases of a map "
+    "that does not depend on the data (the first release, from the public initialisation)"
+)
 DIAGNOSTICS_GAP = (
     "diagnostics: values computed on the private data outside any mechanism (VPP's partition "
     "overlap, the training loss) reached the server (run.diagnostics=true)"
@@ -50,6 +57,7 @@ def describe_guarantee(
     other_uploads: Sequence[str] = (),
     evaluation_reported: bool = False,
     diagnostics_reported: bool = False,
+    trained_feature_map: bool = False,
 ) -> dict[str, Any]:
     """The per-client guarantee of a run, with what it does not cover.
 
@@ -58,7 +66,9 @@ def describe_guarantee(
     ``other_uploads``: what else the method sends outside the mechanism (``"name: what"``
     each, a method's ``extra_uploads``), computed from the private data and not covered;
     ``evaluation_reported``: per-client accuracies of the trained models reach the server (or
-    whoever reads the run's metrics); ``diagnostics_reported``: local-only diagnostics did.
+    whoever reads the run's metrics); ``diagnostics_reported``: local-only diagnostics did;
+    ``trained_feature_map``: releases after the first are computed through a feature map the
+    client trained on the same private data (the sensitivity then does not hold).
     """
     gaps: list[str] = []
     if shares_weights:
@@ -79,6 +89,8 @@ def describe_guarantee(
         }
     if clustered:
         gaps.append(CLUSTER_GAP)
+    if trained_feature_map and rounds > 1:
+        gaps.append(TRAINED_MAP_GAP)
     if noise_key == "derived":
         gaps.append(DERIVED_GAP)
     if evaluation_reported:

@@ -1184,6 +1184,8 @@ class ProtoStrategy(Strategy):
             evaluation_reported=True,
             # the server accepts the clients' diagnostics records (run.diagnostics=true)
             diagnostics_reported=self.diagnostics,
+            # every client trains its adapter/projection between releases
+            trained_feature_map=True,
         )
         out["noise_key_per_client"] = per_client
         return out
