@@ -146,12 +146,15 @@ CROSS_CUTTING = {
     "engine/test_faults",
     "engine/test_offload_state",  # run.client_state=disk: engine/batched.py and simulation.py
     "engine/flower/test_engine",
-    "engine/flower/test_weights",  # aggregation weights: flower/strategy.py and config.py
+    "engine/flower/test_weights",
+    "engine/flower/test_flower_app",  # the generated app: flower/app/__init__.py and run.py
     "engine/flower/test_node_ledger",  # privacy/node_ledger.py through the Flower client app
     "engine/test_client_local",  # the client-local folder: engine/rundir.py and runner.py
     "engine/test_selection_privacy",  # engine/sweep.py's selection record and the accountant
     "attacks/test_audit_verdict",  # attacks/audit.py's model-free verdict
     "data/test_real_images",
+    "data/test_imagefolder_user",  # data.name imagefolder: data/imagefolder.py, the engine
+    "engine/test_preflight",  # federated_data.preflight through run_experiment and the CLI
 }
 
 

@@ -178,6 +178,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _continue_hint(args: argparse.Namespace, exc: BaseException) -> str:
+    """How to continue an interrupted run: the exact command, with its folder."""
+    from protofl.engine.runner import resume_command
+
+    run_dir = getattr(exc, "run_dir", None) or getattr(args, "resume", None)
+    if run_dir is None and getattr(args, "command", None) == "extend":
+        run_dir = args.run_dir
+    if run_dir is None:  # an engine that did not say where it ran
+        out = getattr(args, "out", None) or "runs"
+        return f"`protofl run --resume RUN_DIR` continues it (RUN_DIR: its folder in {out}/)"
+    return f"its finished rounds are kept: `{resume_command(run_dir)}` continues it"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; errors in input become one clear line and exit code 2."""
     parser = build_parser()
@@ -192,11 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         # Ctrl-C: one line, not a traceback; the finished rounds and checkpoints are kept
         why = str(exc) or "interrupted"
-        print(
-            f"protofl: stopped ({why}); a run's finished rounds are kept: "
-            "`protofl resume RUN_DIR` continues it",
-            file=sys.stderr,
-        )
+        print(f"protofl: stopped ({why}); {_continue_hint(args, exc)}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # the reader went away (`protofl sweep --dry-run | head`): stop quietly, as Unix tools do

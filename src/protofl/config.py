@@ -184,6 +184,9 @@ class FederationConfig:
     dropout: float = 0.0
     checkpoint: bool = True
     checkpoint_every: int = 1  # save after every k-th round (and the last); resume redoes <k
+    # how many checkpoints the run folder keeps, the newest (0: all); 1 (default): the newest
+    # alone (a corrupt newest one then cannot fall back to the previous: 2 keeps one to spare)
+    keep_checkpoints: int = 1
     execution: str = "sequential"
     poison: dict[str, float] = field(default_factory=dict)  # client -> scale (robustness tests)
     # weight-sharing methods: mean (FedAvg, sample-weighted) | median | trimmed_mean (robust,
@@ -210,6 +213,7 @@ class FederationConfig:
         check_range("federation.eval_samples", self.eval_samples, low=0)
         check_range("federation.local_epochs", self.local_epochs, low=1)
         check_range("federation.checkpoint_every", self.checkpoint_every, low=1)
+        check_range("federation.keep_checkpoints", self.keep_checkpoints, low=0)
         check_range("federation.batch_size", self.batch_size, low=1)
         check_range("federation.lr", self.lr, low=0.0, low_open=True)
         check_range("federation.weight_decay", self.weight_decay, low=0.0)
@@ -314,6 +318,9 @@ class RunConfig:
     client_state: str = "memory"
     # working memory (MB) one group of batched clients may use; None: 256
     memory_budget_mb: int | None = None
+    # warn once (console and run.log) when the run folder is projected to exceed this many GB
+    # (the checkpoint size x checkpoints kept + the artifacts' estimate); 0: never
+    disk_warn_gb: float = 2.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not re.match(
@@ -329,6 +336,7 @@ class RunConfig:
         if self.threads is not None:
             check_range("run.threads", self.threads, low=1)
         check_range("run.mia_every", self.mia_every, low=0)
+        check_range("run.disk_warn_gb", self.disk_warn_gb, low=0.0)
         check_choice("run.headline", self.headline, ("final", "last5"))
 
 

@@ -17,7 +17,9 @@ from protofl.methods.checks import tiny_config
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-round FedProto run on ``toy`` with the ``pixels`` backbone, releases saved."""
-    cfg = tiny_config("fedproto", "none", rounds=3).with_overrides(["run.save_releases=true"])
+    cfg = tiny_config("fedproto", "none", rounds=3).with_overrides(
+        ["run.save_releases=true", "federation.keep_checkpoints=2"]  # round 2's: exact attacks
+    )
     home = tmp_path_factory.mktemp("home")
     return run_experiment(cfg, out=tmp_path_factory.mktemp("runs"), home=home).run_dir
 

@@ -137,7 +137,7 @@ def test_an_offloaded_dcr_run_stopped_mid_way_resumes_to_the_same_checkpoint(
 
 
 def test_corrupt_checkpoint_falls_back_to_previous(tmp_path: Path) -> None:
-    result = run_experiment(toy(3), out=tmp_path)
+    result = run_experiment(toy(3, "federation.keep_checkpoints=2"), out=tmp_path)
     index = json.loads((result.run_dir / "checkpoints.json").read_text())
     assert [e["round"] for e in index] == [2, 3]
     newest = result.run_dir / index[-1]["file"]
@@ -336,7 +336,13 @@ def test_checkpoint_every_k_rounds_resumes_identically(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
 
-    cfg = toy(5, "privacy.mechanism=igpp", "privacy.epsilon=4", "federation.checkpoint_every=2")
+    cfg = toy(
+        5,
+        "privacy.mechanism=igpp",
+        "privacy.epsilon=4",
+        "federation.checkpoint_every=2",
+        "federation.keep_checkpoints=2",
+    )
     full = run_experiment(cfg, out=tmp_path / "a")
     saved = sorted(p.name for p in full.run_dir.glob("checkpoint-*.pt"))
     assert saved == ["checkpoint-0004.pt", "checkpoint-0005.pt"]  # every 2nd and the last

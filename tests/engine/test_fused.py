@@ -28,6 +28,7 @@ def _base(method: str = "fedproto", rounds: int = 3, **extra: Any) -> dict[str, 
     base = tiny_config(method, "igpp", rounds=rounds, clients_per_domain=2).to_dict()
     base["federation"]["execution"] = "batched"
     base["federation"]["local_epochs"] = 1
+    base["federation"]["keep_checkpoints"] = 2  # tests stop runs by removing the newest one
     for key, value in extra.items():
         section, name = key.split(".")
         base[section][name] = value
@@ -389,7 +390,7 @@ def test_a_run_started_unfused_resumes_fused(tmp_path: Path) -> None:
     )
     d = first.run_dir(mixed)
     (d / "summary.json").unlink()
-    (d / "checkpoint-0003.pt").unlink()  # as if killed after round 2 (the last two are kept)
+    (d / "checkpoint-0003.pt").unlink()  # as if killed after round 2 (two are kept)
     index = json.loads((d / "checkpoints.json").read_text())
     (d / "checkpoints.json").write_text(json.dumps([e for e in index if e["round"] == 2]))
     result = run_sweep(plan, sweep_dir=mixed, jobs=1, progress=False)

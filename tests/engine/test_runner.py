@@ -174,9 +174,9 @@ def test_ctrl_c_in_a_run_is_one_line_and_the_run_resumes(
         assert main(["run", str(path), "--quiet", "--out", str(tmp_path / "stopped")]) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("protofl: stopped (interrupted)"), err
-    assert "protofl resume RUN_DIR" in err[0]
     (run_dir,) = (tmp_path / "stopped").glob("*/config.yaml")  # (and its .client-local)
     run_dir = run_dir.parent
+    assert f"`protofl run --resume {run_dir}` continues it" in err[0]  # issue 43: the command
     resumed = resume_experiment(run_dir).summary
     assert resumed["avg_acc"] == reference["avg_acc"]
 

@@ -29,6 +29,7 @@ from protofl.report.cli import add_report_parsers
 def _base() -> dict[str, Any]:
     base = tiny_config("fedproto", "none", rounds=2).to_dict()
     base["federation"]["local_epochs"] = 1
+    base["federation"]["keep_checkpoints"] = 2  # _stop_after_first_round removes the newest
     return base
 
 

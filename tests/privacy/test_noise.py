@@ -250,7 +250,7 @@ def test_no_file_a_run_writes_holds_a_secret_key_and_resume_and_extend_draw_fres
 
     keys = _planted_keys(monkeypatch)
     config = tiny_config("fedproto", "igpp", rounds=2).with_overrides(
-        ["privacy.noise_seed=secret", "federation.checkpoint=true"]
+        ["privacy.noise_seed=secret", "federation.checkpoint=true", "federation.keep_checkpoints=2"]
     )
     result = run_experiment(config, out=tmp_path / "runs", home=tmp_path / "home")
     first = len(keys)

@@ -246,3 +246,53 @@ def test_tensorboard_logger_is_optional(tmp_path: Path) -> None:
     with TensorBoardLogger(tmp_path) as tb:  # pragma: no cover - only with tensorboard
         tb.log_round(row)
     assert any((tmp_path / "tensorboard").iterdir())  # pragma: no cover
+
+
+# ----- issue 43: the report's small defects ----------------------------------------------------
+def test_run_report_shows_attack_counts_as_integers_and_no_empty_header_row(
+    tmp_path: Path,
+) -> None:
+    _hand_run(tmp_path, "run", "vpdr", 2.0, 0, 0.6)
+    run_dir = tmp_path / "run"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["privacy"]["guarantee"] = {
+        "epsilon": 2.0,
+        "statement": "(2, 1e-05)-local DP per client over the whole run (3 releases)",
+        "noise_key": "derived",
+        "not_covered": ["the trained feature map"],
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    members = {"c0": 2285, "c1": 2286, "c2": 2286, "c3": 2286}  # mean 2285.75
+    (run_dir / "attack_mia.json").write_text(
+        json.dumps(
+            {
+                "clients": {c: {"mia_auc": 0.6, "mia_members": n} for c, n in members.items()},
+                "mean": {"mia_auc": 0.6, "mia_members": 2285.75, "mia_nonmembers": 800.0},
+            }
+        )
+    )
+    html_path, md_path = write_report(run_dir, tsne=False)
+    md = md_path.read_text()
+    assert "2285.7500" not in md and "800.0000" not in md
+    assert "| mia_members (total over 4 clients) | 9143 |" in md
+    assert "| mia_nonmembers (mean per client) | 800 |" in md
+    assert "| mia_auc | 0.6000 |" in md
+    page = html_path.read_text()
+    assert "What the guarantee covers" in page
+    assert not re.search(r"<thead><tr>(<th></th>)+</tr></thead>", page)  # no empty header row
+    assert not re.search(r"^\|( +\|)+$", md, re.M)
+
+
+def test_privacy_utility_caption_names_the_dashed_line_only_when_drawn(tmp_path: Path) -> None:
+    for with_reference in (False, True):
+        root = tmp_path / f"sweep-{with_reference}"
+        mechanisms = (["none"] if with_reference else []) + ["igpp"]
+        for i, (mech, eps) in enumerate((m, e) for m in mechanisms for e in (1.0, 2.0)):
+            _hand_run(root, f"{i:03d}", mech, eps, 0, 0.5 + 0.05 * eps)
+        _, md_path = write_report(root)
+        md = md_path.read_text()
+        caption = next(line for line in md.splitlines() if line.startswith("*Privacy-utility"))
+        svg = (root / "figures" / "privacy_utility.svg").read_text()
+        drawn = "stroke-dasharray" in svg  # the 'no privacy' reference is the only dashed line
+        assert drawn == with_reference
+        assert ("dashed" in caption) == drawn, caption

@@ -332,3 +332,106 @@ def test_headline_falls_back_to_the_config_then_final(tmp_path: Path) -> None:
         rec.scores("best")
     with pytest.raises(ValueError, match="metric 'best' is unknown"):
         aggregate([rec], metric="best")
+
+
+# ----- issue 43: rows group by what ran -------------------------------------------------------
+def test_extended_run_row_shows_rounds_run_and_epsilon_spent_and_is_marked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from protofl.engine.runner import extend_experiment, run_experiment
+    from protofl.methods.checks import tiny_config
+
+    out = tmp_path / "runs"
+    for seed in (0, 1):
+        config = tiny_config("fedproto", "igpp", rounds=2, seed=seed).with_overrides(
+            ["privacy.epsilon=2", "federation.local_epochs=1"]
+        )
+        run_dir = run_experiment(config, out=out, progress=False).run_dir
+        if seed == 0:
+            extend_experiment(run_dir, 2, progress=False)
+    found, skipped = collect_runs([out])
+    assert len(found) == 2 and skipped == []  # the .client-local folders are not runs
+    # today's main: one row averaging both runs, showing the config's epsilon 2 and rounds 2
+    table = aggregate(found, metric="final")  # the default keys: what differs among the runs
+    assert table.by == ["federation.rounds", "privacy.epsilon"]
+    assert [(g.key, len(g.runs)) for g in table.groups] == [((4, 2.954), 1), ((2, 2.0), 1)]
+    assert [g.extended for g in table.groups] == [True, False]
+    md = format_table(table, "md").splitlines()
+    assert md[0].startswith("| rounds | epsilon | extended | n |")
+    assert md[2].startswith("| 4 | 2.954 | yes | 1 |") and md[3].startswith("| 2 | 2 | no | 1 |")
+    extended = next(r for r in found if r.extended)
+    spent = max(extended.summary["privacy"]["epsilon_spent"].values())
+    assert spent > 2.9 and extended.summary["rounds"] == 4
+    assert extended.value("epsilon") == pytest.approx(spent, abs=1e-3)  # what ran
+    assert extended.value("epsilon") >= spent  # rounded up, never understated
+    assert extended.value("rounds") == 4
+    assert extended.value("configured_epsilon") == 2.0
+    assert extended.value("configured_rounds") == 2
+
+    args = _parse(
+        ["table", str(out), "--by", "epsilon,rounds,configured_epsilon,configured_rounds",
+         "--metric", "final", "--format", "csv"]
+    )  # fmt: skip
+    assert args.func(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("epsilon,rounds,configured epsilon,configured rounds,extended,n,")
+    assert lines[1].startswith("2.954,4,2,2,yes,1,") and lines[2].startswith("2,2,2,2,no,1,")
+    # --where reads what ran too; configured_epsilon what was asked for
+    assert [r.extended for r in filter_runs_(found, "epsilon=2")] == [False]
+    assert len(filter_runs_(found, "configured_epsilon=2")) == 2
+
+
+def filter_runs_(runs: list[Any], where: str) -> list[Any]:
+    from protofl.report.tables import filter_runs
+
+    return filter_runs(runs, [where])
+
+
+def test_flower_and_sim_runs_are_not_averaged_together(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    make_run(root, "sim", method="fedproto", mechanism="vpdr", seed=0, acc={"A": 0.8, "B": 0.6})
+    flower = make_run(
+        root, "flower", method="fedproto", mechanism="vpdr", seed=0, acc={"A": 0.4, "B": 0.2}
+    )
+    summary = json.loads((flower / "summary.json").read_text())
+    (flower / "summary.json").write_text(json.dumps({**summary, "engine": "flower"}))
+    found, _ = collect_runs([root])
+    table = aggregate(found, by=["method", "mechanism"])
+    assert [len(g.runs) for g in table.groups] == [1, 1]  # today's main: one row of 2
+    assert [g.engine for g in table.groups] == ["flower", "sim"]
+    assert {r.name: r.engine for r in found} == {"flower": "flower", "sim": "sim"}
+    md = format_table(table, "md").splitlines()
+    assert md[0] == "| method | mechanism | engine | n | A | B | AVG | STD |"
+    assert md[2].startswith("| fedproto | vpdr | flower | 1 | 40.00 |")
+    assert md[3].startswith("| fedproto | vpdr | sim | 1 | **80.00** |")
+    # grouping by the engine names it as a key, not twice
+    by_engine = format_table(aggregate(found, by=["engine"]), "md").splitlines()
+    assert by_engine[0] == "| engine | n | A | B | AVG | STD |"
+
+
+def test_a_folder_of_runs_descends_into_sweep_subfolders(
+    runs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sweep = runs / "sweep-a"
+    sweep.mkdir()
+    for name in ("s2", "s1"):
+        make_run(sweep, name, method="fpl", mechanism="none", seed=int(name[1]),
+                 acc={"A": 0.5, "B": 0.5})  # fmt: skip
+    (sweep / "sweep.json").write_text(json.dumps({"runs": [{"dir": "s2"}, {"dir": "s1"}]}))
+    grouped = runs / "more"  # a plain folder of runs below the runs folder
+    make_run(grouped, "g1", method="fpl", mechanism="none", seed=3, acc={"A": 0.5, "B": 0.5})
+    local = runs / "r1.client-local"  # a run's local-only folder is not a run
+    local.mkdir()
+    (local / "diagnostics.jsonl").write_text("")
+    (local / "config.yaml").write_text("seed: 0\n")
+    found, skipped = collect_runs([runs])
+    assert [r.name for r in found] == ["g1", "r1", "r2", "r3", "r4", "r5", "s2", "s1"]
+    assert [p.name for p, _ in skipped] == ["stopped"]
+    # a folder holding only sweep folders is a folder of runs too
+    only = runs.parent / "only-sweeps"
+    only.mkdir()
+    sweep.rename(only / "sweep-a")
+    args = _parse(["table", str(only), "--by", "method,seed", "--metric", "final"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(" | ")[1] for line in out[2:]] == ["2", "1"]  # grid order

@@ -9,10 +9,13 @@ Standalone: ``python -m protofl.attacks.cli attack RUN_DIR --attack mia``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from protofl.privacy.base import private_mechanisms
@@ -141,9 +144,31 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     from protofl.attacks.audit import audit_mechanism
     from protofl.report.progress import progress_notes
 
-    with progress_notes(True):
+    with progress_notes(True), _ticker("audit", args.mode):
         result = _audit(args, audit_mechanism)
     return _print_audit(args, result)
+
+
+@contextlib.contextmanager
+def _ticker(what: str, mode: str, every: float = 5.0) -> Iterator[None]:
+    """A line on stderr every ``every`` seconds while a long step runs (the audit's release
+    mode runs for tens of seconds after its first line)."""
+    from protofl.report.progress import note
+
+    done = threading.Event()
+    t0 = time.perf_counter()
+
+    def tick() -> None:
+        while not done.wait(every):
+            note(f"{what}, {mode} mode: still running, {time.perf_counter() - t0:.0f} s")
+
+    thread = threading.Thread(target=tick, name=f"protofl-{what}-ticker", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _audit(args: argparse.Namespace, audit_mechanism: Any) -> dict[str, Any]:

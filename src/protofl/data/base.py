@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -83,6 +84,9 @@ class DatasetInfo:
     description: str
     how_to_get: str
     is_available: Callable[[Path], bool]
+    # ``preflight(root, options)``: checks the root, its layout and the options without
+    # decoding anything (run before a run folder is made); raises naming what is wrong
+    preflight: Callable[[str | None, Mapping[str, Any]], None] | None = None
 
 
 DATASET_REGISTRY: Registry[DatasetInfo] = Registry("data set")

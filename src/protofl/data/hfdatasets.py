@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -146,7 +147,11 @@ def _pixels(image: Any, size: int | None, where: str) -> np.ndarray:
         import io
 
         image = Image.open(io.BytesIO(image["bytes"]))
+    if isinstance(image, list | tuple):  # an array column (nested lists H x W [x C])
+        image = np.asarray(image)
     if isinstance(image, np.ndarray):
+        if image.ndim == 3 and image.shape[-1] == 1:
+            image = image[..., 0]
         image = Image.fromarray(image.astype(np.uint8))
     if not isinstance(image, Image.Image):
         raise ConfigError(f"hf: {where}: the image column holds {type(image).__name__}, not images")
@@ -221,6 +226,102 @@ def _stack(images: list[np.ndarray], where: str) -> np.ndarray:
     return np.stack(images)
 
 
+def _root_sources(root: str | None) -> tuple[Path, list[tuple[str | None, Path]]]:
+    """The root and its datasets directories: ``[(None, root)]``, or one per domain."""
+    given = root or os.environ.get(HF_ENV)
+    if not given:
+        raise DatasetRootError(
+            f"data set 'hf' needs data.root (or {HF_ENV}): a local datasets directory. "
+            f"Layout:\n{HF_LAYOUT.rstrip()}"
+        )
+    base = Path(given).expanduser()
+    if not base.is_dir():
+        raise DatasetRootError(f"hf: data.root={given!r} is not a directory")
+    if _is_source(base):
+        return base, [(None, base)]
+    sources: list[tuple[str | None, Path]] = [
+        (p.name, p) for p in sorted(base.iterdir()) if _is_source(p)
+    ]
+    if not sources:
+        raise DatasetRootError(
+            f"hf: {base} is neither a datasets directory nor one directory per domain. "
+            f"Layout:\n{HF_LAYOUT.rstrip()}"
+        )
+    return base, sources
+
+
+def _array_shape(feature: Any) -> tuple[int, str | None]:
+    """(number of dimensions, element dtype) of a (nested) list or ArrayND feature; (-1, None)
+    for anything else."""
+    depth = 0
+    while type(feature).__name__ in ("List", "Sequence", "LargeList"):
+        depth += 1
+        feature = feature.feature
+    kind = type(feature).__name__
+    if kind in ("Array2D", "Array3D", "Array4D", "Array5D"):
+        return depth + len(feature.shape), str(feature.dtype)
+    if kind == "Value":
+        return depth, str(feature.dtype)
+    return -1, None
+
+
+def image_feature_ok(feature: Any) -> bool:
+    """An ``Image`` feature, or a numeric array of 2 (H x W) or 3 (H x W x C) dimensions."""
+    if type(feature).__name__ == "Image":
+        return True
+    ndim, dtype = _array_shape(feature)
+    return ndim in (2, 3) and dtype is not None and dtype.startswith(("uint", "int", "float"))
+
+
+def _schema(folder: Path, split: str) -> tuple[list[str], Any]:
+    """Column names and ``Features`` of one split, read without loading its rows."""
+    ds = _datasets()
+    if _is_saved(folder):
+        loaded = ds.load_from_disk(str(folder))  # memory-mapped: nothing is decoded or copied
+        splits = dict(loaded) if isinstance(loaded, ds.DatasetDict) else {"train": loaded}
+        if split not in splits:
+            raise ConfigError(
+                f"hf: {folder} has no split {split!r} (data.options.train_split); splits: "
+                + ", ".join(splits)
+            )
+        return list(splits[split].column_names), splits[split].features
+    files = _parquet_splits(folder)
+    if split not in files:
+        raise ConfigError(
+            f"hf: {folder} has no split {split!r} (data.options.train_split); splits: "
+            + ", ".join(files)
+        )
+    import pyarrow.parquet as pq
+
+    features = ds.Features.from_arrow_schema(pq.read_schema(files[split][0]))
+    return list(features), features
+
+
+def preflight_hf(root: str | None, options: Mapping[str, Any]) -> None:
+    """The root, its layout and every directory's columns, checked from the schemas alone
+    (before a run folder is made): the image column must hold images (an ``Image`` feature or
+    a numeric H x W [x C] array), and the label and domain columns must be there."""
+    _base, sources = _root_sources(root)
+    split = str(options.get("train_split", "train"))
+    for domain_dir, folder in sources:
+        columns, features = _schema(folder, split)
+        cols = _Columns(
+            SimpleNamespace(column_names=columns, features=features),
+            folder,
+            image_column=options.get("image_column"),
+            label_column=options.get("label_column"),
+            domain_column=options.get("domain_column"),
+            need_domain=domain_dir is None,
+        )
+        feature = features[cols.image]
+        if not image_feature_ok(feature):
+            raise ConfigError(
+                f"hf: {folder}: the image column {cols.image!r} holds {feature}, not images (an "
+                "Image feature, or a numeric H x W or H x W x C array); name the image column "
+                "with data.options.image_column; columns found: " + ", ".join(columns)
+            )
+
+
 def load_hf_dataset(
     home: Path,
     root: str | None = None,
@@ -239,27 +340,9 @@ def load_hf_dataset(
 ) -> MultiDomainDataset:
     """Load a local Hugging Face ``datasets`` directory as protofl's multi-domain data set (see
     the module docstring for layouts and options)."""
-    given = root or os.environ.get(HF_ENV)
-    if not given:
-        raise DatasetRootError(
-            f"data set 'hf' needs data.root (or {HF_ENV}): a local datasets directory. "
-            f"Layout:\n{HF_LAYOUT.rstrip()}"
-        )
-    base = Path(given).expanduser()
-    if not base.is_dir():
-        raise DatasetRootError(f"hf: data.root={given!r} is not a directory")
     if not 0.0 < test_fraction < 1.0:
         raise ConfigError(f"hf: data.options.test_fraction={test_fraction}: give 0 < x < 1")
-    sources: list[tuple[str | None, Path]]
-    if _is_source(base):
-        sources = [(None, base)]
-    else:
-        sources = [(p.name, p) for p in sorted(base.iterdir()) if _is_source(p)]
-        if not sources:
-            raise DatasetRootError(
-                f"hf: {base} is neither a datasets directory nor one directory per domain. "
-                f"Layout:\n{HF_LAYOUT.rstrip()}"
-            )
+    base, sources = _root_sources(root)
     # per domain: train and test rows (images, raw labels)
     parts: dict[str, dict[str, tuple[list[np.ndarray], list[Any]]]] = {}
     class_names: tuple[str, ...] | None = None
@@ -394,6 +477,7 @@ DATASET_REGISTRY.add(
         how_to_get=f"pip install 'protofl[hf]'; set data.root (or {HF_ENV}). Layout:\n"
         + HF_LAYOUT.rstrip(),
         is_available=_available,
+        preflight=preflight_hf,
     ),
 )
 

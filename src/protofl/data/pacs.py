@@ -230,6 +230,7 @@ DATASET_REGISTRY.add(
         how_to_get=f"{PACS_DISTRIBUTED}; set {PACS_ENV} or data.root. Layout:\n"
         + PACS_LAYOUT.rstrip(),
         is_available=_FOLDERS.is_available,
+        preflight=_FOLDERS.preflight,
     ),
 )
 

@@ -100,13 +100,15 @@ def _run_flower(config: ExperimentConfig, options: EngineOptions) -> EngineResul
     from protofl.engine.flower.run import run_flower_simulation  # optional dependency
 
     out = options.out if options.out is not None else config.run.out_dir
-    return run_flower_simulation(config, out=out, **options.flower)
+    return run_flower_simulation(config, out=out, progress=options.progress, **options.flower)
 
 
 def _resume_flower(run_dir: Path, options: EngineOptions, extend: int) -> EngineResult:
     from protofl.engine.flower.run import resume_flower_simulation  # optional dependency
 
-    return resume_flower_simulation(run_dir, extend=extend, **options.flower)
+    return resume_flower_simulation(
+        run_dir, extend=extend, progress=options.progress, **options.flower
+    )
 
 
 @dataclass
@@ -149,38 +151,12 @@ register_engine(
 )
 
 
-def mechanism_scope(config: ExperimentConfig) -> str | None:
-    """One line when ``privacy.mechanism`` protects nothing because the method releases no
-    prototypes (the mechanism only acts on prototype releases), else None."""
-    from protofl.methods.base import METHOD_REGISTRY
-
-    mechanism = config.privacy.mechanism
-    method = METHOD_REGISTRY.get(config.method.name)
-    if mechanism == "none" or method.uses_prototypes:
-        return None
-    dcr = " (DCR still changes local training)" if config.privacy.use_dcr else ""
-    if method.shares_weights:
-        sent = "its model weights leave every client without noise"
-    else:
-        sent = "it uploads no prototypes"
-    return (
-        f"method {config.method.name} releases no prototypes: privacy.mechanism={mechanism} "
-        f"adds no noise and protects nothing here; {sent}{dcr}; the run's guarantee says "
-        "'no privacy guarantee'"
-    )
-
-
-def warn_mechanism_scope(config: ExperimentConfig) -> None:
-    """Log :func:`mechanism_scope`'s line as a warning (it reaches the console)."""
-    line = mechanism_scope(config)
-    if line is not None:
-        log.warning("%s", line)
-
-
 def run_engine(config: ExperimentConfig, options: EngineOptions | None = None) -> EngineResult:
     """Run ``config`` on the engine ``run.engine`` names (an unknown name fails first, with
     the valid ones)."""
     engine = ENGINE_REGISTRY.get(config.run.engine)
+    from protofl.methods.scope import warn_mechanism_scope
+
     warn_mechanism_scope(config)
     return engine.run(config, options or EngineOptions())
 

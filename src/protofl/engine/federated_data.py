@@ -25,9 +25,11 @@ from protofl.data.partition import (
     subsample,
     validation_split,
 )
+from protofl.errors import ConfigError
 from protofl.methods import create_method
 from protofl.models.backbones import FrozenBackbone, backbone_class, check_backbone_options
 from protofl.privacy import MECHANISM_REGISTRY
+from protofl.report.progress import note
 from protofl.seeding import DATA_TAG
 
 log = logging.getLogger(__name__)
@@ -120,8 +122,9 @@ def check_data_options(name: str, loader: Any, options: Mapping[str, Any]) -> No
 
 def preflight(config: ExperimentConfig) -> None:
     """Everything about ``config`` that can be checked before a folder is made or data is
-    loaded: the data set, its options and root, the backbone and its options, the method and its
-    parameters, the mechanism (every range was checked when the config was built).  The names
+    loaded: the data set, its options, root and layout (an HF set's columns), the backbone and
+    its options, the method and its parameters, the mechanism, the optional packages the run
+    needs (``run.tensorboard``); every range was checked when the config was built.  The names
     are the registries' (no other list of them exists)."""
     from protofl.models.device import resolve_device
 
@@ -142,6 +145,24 @@ def preflight(config: ExperimentConfig) -> None:
         num_domains=4,
         proto_dim=config.backbone.proto_dim,
     )
+    if config.run.tensorboard:
+        check_tensorboard()
+    if info.preflight is not None:  # the root's layout, an HF set's columns: nothing decoded
+        info.preflight(config.data.root, dict(config.data.options))
+
+
+def check_tensorboard() -> None:
+    """``run.tensorboard`` without the package: one line naming the extra (nothing made)."""
+    import importlib.util
+
+    from protofl.extras import install_hint
+
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(
+            "run.tensorboard=true needs the optional package tensorboard, which is not "
+            f"installed: {install_hint('tensorboard')} (the extra 'tensorboard'), or set "
+            "run.tensorboard=false"
+        )
 
 
 def _preset_allocation(config: ExperimentConfig) -> Any:
@@ -176,6 +197,26 @@ def client_counts(config: ExperimentConfig, dataset: str, domains: list[str]) ->
                 "'domain:count,domain:count'"
             ) from None
     return dict(resolve_allocation(spec, domains, config.data.clients_per_domain, dataset))
+
+
+def fraction_line(
+    dataset: str,
+    fraction: float,
+    used: int,
+    available: int,
+    clients: int,
+    *,
+    per_client: bool = False,
+    preset: str | None = None,
+) -> str:
+    """The console line of a run that trains on a fraction of its data (``train_fraction`` < 1,
+    the default 0.1): how many of the training images it uses and which key sets it."""
+    unit = " of its domain per client" if per_client else ""
+    key = f"set by data.preset {preset}" if preset else "data.train_fraction; 1 uses them all"
+    return (
+        f"data: {dataset}, train_fraction {fraction:g}{unit}: {used} of {available} training "
+        f"images used by {clients} client(s) ({key})"
+    )
 
 
 def _rows(z: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
@@ -228,6 +269,7 @@ def build_federated_data(
         "dtype": config.backbone.feature_dtype,
         "device": config.run.device,  # where uncached features are encoded
     }
+    used = available = 0  # training images drawn, and in the domains' train splits
     for d_index, dom in enumerate(domains):
         if len(dom.train) == 0 or len(dom.test) == 0:
             raise ValueError(f"data set {dataset.name!r}: domain {dom.name!r} has an empty split")
@@ -311,6 +353,8 @@ def build_federated_data(
                     train_indices=train_idx[shard],
                 )
             )
+        used += len(train_idx)
+        available += len(dom.train)
         log.info(
             "domain %s: %d train (of %d), %d test, %d client(s)",
             dom.name,
@@ -319,6 +363,18 @@ def build_federated_data(
             len(test_idx),
             k,
         )
+    if fraction < 1:
+        line = fraction_line(
+            dataset.name,
+            fraction,
+            used,
+            available,
+            len(clients),
+            per_client=per_client_fraction,
+            preset=dcfg.preset if "train_fraction" in preset else None,
+        )
+        log.info("%s", line)
+        note(line)  # the console of a run that shows progress
     holdout_data = None
     if holdout is not None and validation is None:
         h_idx = np.arange(len(holdout.test))

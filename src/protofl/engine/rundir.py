@@ -33,8 +33,10 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,8 @@ RESULT_FREE_KEYS = (
     "run.memory_budget_mb",
     "federation.checkpoint",
     "federation.checkpoint_every",
+    "federation.keep_checkpoints",
+    "run.disk_warn_gb",
 )
 """Keys a resume may change: where files go, progress display, threads, checkpoint cadence,
 which accuracy is the headline, where client state lives and the batched working memory (the
@@ -420,3 +424,25 @@ def read_client_summary(run_dir: str | Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """While a sweep runs, SIGTERM and SIGHUP (``kill``, a closed terminal, a batch scheduler's
+    stop) act like Ctrl-C: the workers are stopped and sweep.json records the runs as stopped,
+    instead of the driver dying and leaving both undone.  Only in the main thread (Python
+    delivers signals there); the previous handlers come back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    wanted = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    previous = {sig: signal.signal(sig, interrupt) for sig in wanted}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import platform
 import re
+import shlex
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +23,12 @@ from protofl import __version__
 from protofl.attacks.mia import diagnostics_for
 from protofl.config import ExperimentConfig
 from protofl.data.cache import protofl_home
-from protofl.engine.checkpoint import load_latest_checkpoint, save_checkpoint
+from protofl.engine.checkpoint import (
+    checkpoint_bytes,
+    load_latest_checkpoint,
+    save_checkpoint,
+    wait_for_deletions,
+)
 from protofl.engine.federated_data import FederatedData, build_federated_data, preflight
 from protofl.engine.rundir import (
     CLIENT_ARTIFACTS,
@@ -50,6 +57,21 @@ log = logging.getLogger("protofl")
 
 STATE_DIR = "client-state"
 """A run folder's memory-mapped client store (``run.client_state=disk``)."""
+
+
+def resume_command(run_dir: str | Path) -> str:
+    """The exact command that continues ``run_dir`` (quoted for a POSIX shell)."""
+    return f"protofl run --resume {shlex.quote(str(run_dir))}"
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A Ctrl-C (or SIGTERM/SIGHUP) that stopped the run in ``run_dir``: its finished rounds
+    and checkpoints are kept, and ``command`` continues it."""
+
+    def __init__(self, why: str, run_dir: Path) -> None:
+        super().__init__(why)
+        self.run_dir = run_dir
+        self.command = resume_command(run_dir)
 
 
 @dataclass
@@ -155,7 +177,9 @@ def run_experiment(
     preflight(config)  # a bad name, option or data root fails before any folder exists
     run_dir = make_run_dir(config, out)
     start_run_dir(config, run_dir)
-    return _execute(config, run_dir, home=home, progress=progress, data=data, resume=False)
+    return _execute(
+        config, run_dir, home=home, progress=progress, data=data, resume=False, console=True
+    )
 
 
 def run_in_dir(
@@ -192,7 +216,9 @@ def resume_experiment(
     run_dir = Path(run_dir)
     config = read_run_config(run_dir)
     check_resume(run_dir, config)  # an edited config.yaml is refused, naming the keys
-    return _execute(config, run_dir, home=home, progress=progress, data=None, resume=True)
+    return _execute(
+        config, run_dir, home=home, progress=progress, data=None, resume=True, console=True
+    )
 
 
 def read_run_config(run_dir: Path) -> ExperimentConfig:
@@ -259,7 +285,7 @@ def plan_extension(run_dir: Path, config: ExperimentConfig, rounds: int) -> dict
             )
         raise ConfigError(
             f"{run_dir}: the run has not finished (round {reached or 0} of {done}); finish it "
-            f"first with `protofl run --resume {run_dir}`, then extend it"
+            f"first with `{resume_command(run_dir)}`, then extend it"
         )
     fed, priv = config.federation, config.privacy
     mechanism = create_mechanism(priv, rounds=fed.rounds, dim=config.backbone.proto_dim)
@@ -364,6 +390,7 @@ def extend_experiment(
         resume=True,
         lock=lock,
         extension=entry,
+        console=True,
     )
 
 
@@ -377,23 +404,56 @@ def _execute(
     resume: bool,
     lock: FolderLock | None = None,
     extension: dict[str, Any] | None = None,
+    console: bool = False,
 ) -> RunResult:
+    """Drive one session; ``console``: a command's own run (not a sweep's), which prints the
+    checkpoint size and disk warnings to stderr and turns SIGTERM/SIGHUP into an interrupt that
+    names the command continuing the run (:class:`RunInterrupted`)."""
     show = config.run.progress if progress is None else progress
     threads_before = torch.get_num_threads()
-    session = RunSession(config, run_dir, lock=lock)
+    session = RunSession(config, run_dir, lock=lock, console=console)
     try:
-        if config.run.threads is not None:
-            torch.set_num_threads(config.run.threads)
-        session.open(home=home, data=data, resume=resume, extension=extension, show=show)
-        if config.run.threads is None:
-            # the trainable part is tiny: one intra-op thread avoids oversubscription (measured
-            # 10x faster per step on a loaded 2-core machine); extraction above used them all
-            torch.set_num_threads(1)
-        history = _run_with_progress(session.sim, session.on_round, show, session.target)
-        return session.finish(history)
+        with _terminate_as_interrupt(console):
+            return _drive(session, config, home, data, resume, extension, show)
+    except RunInterrupted:
+        raise
+    except KeyboardInterrupt as exc:
+        raise RunInterrupted(str(exc) or "interrupted", run_dir) from None
     finally:
         torch.set_num_threads(threads_before)
         session.close()
+
+
+@contextmanager
+def _terminate_as_interrupt(active: bool) -> Iterator[None]:
+    """SIGTERM and SIGHUP act as Ctrl-C while ``active`` (a sweep installs its own)."""
+    if not active:
+        yield
+        return
+    from protofl.engine.rundir import terminate_as_interrupt as terminate
+
+    with terminate():
+        yield
+
+
+def _drive(
+    session: RunSession,
+    config: ExperimentConfig,
+    home: Path | None,
+    data: FederatedData | None,
+    resume: bool,
+    extension: dict[str, Any] | None,
+    show: bool,
+) -> RunResult:
+    if config.run.threads is not None:
+        torch.set_num_threads(config.run.threads)
+    session.open(home=home, data=data, resume=resume, extension=extension, show=show)
+    if config.run.threads is None:
+        # the trainable part is tiny: one intra-op thread avoids oversubscription (measured
+        # 10x faster per step on a loaded 2-core machine); extraction above used them all
+        torch.set_num_threads(1)
+    history = _run_with_progress(session.sim, session.on_round, show, session.target)
+    return session.finish(history)
 
 
 _LOG_SCOPE: ContextVar[Path | None] = ContextVar("protofl_log_scope", default=None)
@@ -417,11 +477,21 @@ class RunSession:
     (:mod:`protofl.engine.fused`) drives several in lockstep, so both write the same folder."""
 
     def __init__(
-        self, config: ExperimentConfig, run_dir: Path, *, lock: FolderLock | None = None
+        self,
+        config: ExperimentConfig,
+        run_dir: Path,
+        *,
+        lock: FolderLock | None = None,
+        console: bool = False,
     ) -> None:
         self.config = config
         self.run_dir = run_dir
         self._lock = lock
+        # a command's own run: the disk warning goes to stderr, and the checkpoint size line
+        # too unless the run is quiet (no progress display)
+        self.console = console
+        self.show = False
+        self._disk_checked = False
         self._handler: logging.Handler | None = None
         self._tensorboard: Any = None
         self._tensorboard_local: Any = None
@@ -444,6 +514,7 @@ class RunSession:
         """Lock the folder, attach its log, build (or take) the data and the simulation, and
         load the last checkpoint when ``resume``; returns the simulation."""
         config, run_dir = self.config, self.run_dir
+        self.show = show
         if self._lock is None:
             self._lock = FolderLock(run_dir, "run")
             self._lock.acquire()  # one process at a time in a run folder; released by close()
@@ -505,11 +576,47 @@ class RunSession:
         append_round(self.run_dir, row)
         fed = self.config.federation
         if fed.checkpoint and (m.round % fed.checkpoint_every == 0 or m.round == self.target):
-            save_checkpoint(self.run_dir, m.round, self.checkpoint_state())
+            t0 = time.perf_counter()
+            save_checkpoint(
+                self.run_dir, m.round, self.checkpoint_state(), keep=fed.keep_checkpoints
+            )
             self.sim.page_out()  # writing it read every client's mapped state
+            took = time.perf_counter() - t0
+            log.info("checkpoint of round %d written in %.2fs", m.round, took)
+            if not self._disk_checked:
+                self._say(checkpoint_line(self.config, checkpoint_bytes(self.run_dir) or 0, took))
+        if not self._disk_checked:
+            self._disk_checked = True
+            warning = disk_warning(self.config, self.run_dir, self.projected_bytes())
+            if warning is not None:
+                log.warning("%s", warning)
+                if self.console:
+                    print(f"protofl: warning: {warning}", file=sys.stderr, flush=True)
         log.info(
             "round %d: avg %.4f std %.4f loss %.4f", m.round, m.avg_acc, m.std_acc, m.train_loss
         )
+
+    def _say(self, line: str) -> None:
+        log.info("%s", line)
+        if self.console and self.show:
+            print(line, file=sys.stderr, flush=True)
+
+    def projected_bytes(self) -> int:
+        """What the run folder will hold at the end, projected after a round: the checkpoint
+        size x the checkpoints kept, the releases' artifacts at the target round (with
+        ``run.save_releases``) and the mapped client state (``run.client_state=disk``)."""
+        fed, sim = self.config.federation, self.sim
+        total = 0
+        size = checkpoint_bytes(self.run_dir) if fed.checkpoint else None
+        if size:
+            saved = -(-self.target // fed.checkpoint_every)  # every k-th round and the last
+            total += size * (saved if fed.keep_checkpoints == 0 else fed.keep_checkpoints)
+        if self.config.run.save_releases and sim.releases:
+            per_round = _tensor_bytes(sim.releases) / len(sim.releases)
+            total += int(per_round * self.target)
+        if self.state_dir is not None and self.state_dir.is_dir():
+            total += sum(f.stat().st_blocks * 512 for f in self.state_dir.rglob("*") if f.is_file())
+        return total
 
     def finish(self, history: list[RoundMetrics]) -> RunResult:
         """Write summary.json (and the artifacts with ``run.save_releases``).  Local-only facts
@@ -558,6 +665,7 @@ class RunSession:
 
     def close(self) -> None:
         """Close TensorBoard, detach the log, release the folder lock (idempotent)."""
+        wait_for_deletions()  # the dropped checkpoints are gone when the run returns
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard_local.close()
@@ -569,6 +677,51 @@ class RunSession:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def checkpoint_line(config: ExperimentConfig, size: int, seconds: float) -> str:
+    """The console line after a run's first checkpoint: its size, how long it took, how often
+    and how many are kept (the keys that change it)."""
+    fed = config.federation
+    every = "every round" if fed.checkpoint_every == 1 else f"every {fed.checkpoint_every} rounds"
+    keep = (
+        "keeping all" if fed.keep_checkpoints == 0 else f"keeping the latest {fed.keep_checkpoints}"
+    )
+    return (
+        f"checkpoint: {_gb(size)} {every} (written in {seconds:.1f} s), {keep} "
+        "(federation.keep_checkpoints; federation.checkpoint_every, federation.checkpoint=false)"
+    )
+
+
+def disk_warning(config: ExperimentConfig, run_dir: Path, projected: int) -> str | None:
+    """One line when ``run_dir`` is projected to hold more than ``run.disk_warn_gb``."""
+    limit = config.run.disk_warn_gb
+    if limit <= 0 or projected <= limit * 1e9:
+        return None
+    return (
+        f"{run_dir} will hold about {_gb(projected)} by round {target_rounds(run_dir, config)} "
+        f"(checkpoints x federation.keep_checkpoints={config.federation.keep_checkpoints}, "
+        f"artifacts, client state), more than run.disk_warn_gb={limit:g}; "
+        "set federation.checkpoint_every=k, federation.checkpoint=false or "
+        "run.save_releases=false for less"
+    )
+
+
+def _tensor_bytes(value: Any) -> int:
+    """Bytes of every tensor inside ``value`` (lists, dicts, tuples, release objects)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_tensor_bytes(v) for v in value)
+    if hasattr(value, "__dataclass_fields__"):
+        return sum(_tensor_bytes(getattr(value, f)) for f in value.__dataclass_fields__)
+    return 0
 
 
 def _run_with_progress(

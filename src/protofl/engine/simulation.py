@@ -698,8 +698,10 @@ class Simulation:
         """Everything needed to continue exactly: models, optimisers, RNGs, ledgers, history.
 
         Tensors are CPU copies whatever ``run.device`` is (a checkpoint loads on any machine);
-        ``device`` records where the run computed."""
-        return to_cpu(self._state_dict())
+        ``device`` records where the run computed.  A tensor several entries view (a pooled
+        frozen parameter, which every client's model holds) is copied once, so a checkpoint
+        stores it once (``torch.save`` writes a storage once) on a GPU as on the CPU."""
+        return to_cpu_once(self._state_dict())
 
     def _state_dict(self) -> dict[str, Any]:
         # a mapped store's method state: its files' rows saved once (never rows no client uses)
@@ -767,6 +769,35 @@ class Simulation:
                 c.dcr.load_state_dict(cs["dcr"])
         self.offload_state(self.clients)
         self.page_out()
+
+
+def to_cpu_once(value: Any, memo: dict[tuple[Any, ...], torch.Tensor] | None = None) -> Any:
+    """:func:`~protofl.models.device.to_cpu`, with one CPU copy of each distinct view (same
+    storage, offset, shape, strides and dtype) however many entries hold it: a model's
+    ``state_dict`` detaches each parameter anew, so identity cannot tell them apart."""
+    memo = {} if memo is None else memo
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu":
+            return value
+        key = (
+            str(value.device),
+            value.untyped_storage().data_ptr(),
+            value.storage_offset(),
+            tuple(value.shape),
+            value.stride(),
+            value.dtype,
+        )
+        out = memo.get(key)
+        if out is None:
+            out = memo[key] = to_cpu(value)
+        return out
+    if isinstance(value, dict):
+        return type(value)((k, to_cpu_once(v, memo)) for k, v in value.items())
+    if isinstance(value, list):
+        return [to_cpu_once(v, memo) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(to_cpu_once(v, memo) for v in value)
+    return to_cpu(value)
 
 
 def data_on_device(data: FederatedData, device: torch.device) -> FederatedData:

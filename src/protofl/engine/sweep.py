@@ -64,11 +64,11 @@ import math
 import multiprocessing
 import os
 import re
-import signal
+import shlex
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -80,6 +80,7 @@ import yaml
 
 from protofl import yamlio
 from protofl.config import ConfigError, ExperimentConfig, set_dotted
+from protofl.engine.rundir import terminate_as_interrupt as _terminate_as_interrupt
 from protofl.registry import nearest
 
 log = logging.getLogger(__name__)
@@ -1194,8 +1195,8 @@ def execute_point(run_dir: str, config_yaml: str, home: str | None) -> dict[str,
     """Run (or resume) one grid point in ``run_dir``; never raises: failures come back as
     ``{"status": "failed", "error": ..., "traceback": ...}`` (also written to ``error.txt``)."""
     from protofl.engine.checkpoint import CheckpointError
-    from protofl.engine.engines import warn_mechanism_scope
     from protofl.engine.runner import run_in_dir
+    from protofl.methods.scope import warn_mechanism_scope
 
     t0 = time.perf_counter()
     path = Path(run_dir)
@@ -1454,26 +1455,25 @@ def _run_sweep(
     return SweepResult(sweep_dir=sweep_dir, runs=runs, wall_s=wall)
 
 
-@contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """While a sweep runs, SIGTERM and SIGHUP (``kill``, a closed terminal, a batch scheduler's
-    stop) act like Ctrl-C: the workers are stopped and sweep.json records the runs as stopped,
-    instead of the driver dying and leaving both undone.  Only in the main thread (Python
-    delivers signals there); the previous handlers come back afterwards."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
-
-    wanted = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
-    previous = {sig: signal.signal(sig, interrupt) for sig in wanted}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+def resume_command(
+    sweep_file: str | Path,
+    sweep_dir: str | Path,
+    sets: Sequence[str] = (),
+    *,
+    select: str | None = None,
+    no_fuse: bool = False,
+) -> str:
+    """The exact ``protofl sweep`` command that continues a stopped sweep in ``sweep_dir``:
+    the same file, grid changes (``--set``) and selection, the folder as ``--out`` (finished
+    runs are reused, stopped ones resume from their last checkpoint)."""
+    argv = ["protofl", "sweep", str(sweep_file), "--out", str(sweep_dir)]
+    for item in sets:
+        argv += ["--set", item]
+    if select is not None:
+        argv += ["--select", select]
+    if no_fuse:
+        argv.append("--no-fuse")
+    return shlex.join(argv)
 
 
 def fusion_groups(todo: Sequence[SweepPoint], fuse: bool = True) -> list[list[SweepPoint]]:

@@ -113,11 +113,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             print(format_sweep_result(result))
             failed = bool(result.failed)
     except KeyboardInterrupt as exc:
+        from protofl.engine.sweep import resume_command
+
         by = f" by {exc}" if str(exc) else ""
-        print(
-            f"protofl: sweep stopped{by}; run the same command again to resume ({sweep_dir})",
-            file=sys.stderr,
+        again = resume_command(
+            args.sweep_file, sweep_dir, args.set or (), select=args.select, no_fuse=args.no_fuse
         )
+        print(f"protofl: sweep stopped{by}; `{again}` continues it", file=sys.stderr)
         return 130
     if not args.no_table and any(r.status == "done" for r in result.runs):
         from protofl.report.tables import aggregate, collect_runs, format_table
@@ -208,7 +210,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
         groups: dict[str, Any] = {}
         for g in table.groups:
             label = ", ".join(
-                f"{display_key(k)}={format_value(k, v)}" for k, v in zip(table.by, g.key)
+                [f"{display_key(k)}={format_value(k, v)}" for k, v in zip(table.by, g.key)]
+                + [f"{h}={v}" for h, v in zip(table.extra_heads(), table.extra_values(g))]
             )
             groups[label or "all runs"] = g.runs
         paths = plots.plot_avg_per_round(groups, stem)
@@ -267,13 +270,17 @@ def add_report_parsers(subparsers: Any) -> None:
     tb = subparsers.add_parser(
         "table",
         help="paper-style table (per-domain accuracy, AVG, STD) from finished runs",
-        description="Aggregate run folders (or sweep folders) into one table.",
+        description="Aggregate run folders, sweep folders and folders of them (searched below, "
+        "sweep sub-folders included) into one table, grouped by what ran.",
     )
     tb.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run, sweep or runs folders")
     tb.add_argument(
         "--by",
-        help="comma-separated config keys to group by (method, mechanism, epsilon, dataset, "
-        "dcr, seed, ... or dotted keys); default: the keys that differ among the runs",
+        help="comma-separated keys to group by (method, mechanism, epsilon, rounds, engine, "
+        "dataset, dcr, seed, ... or dotted config keys); epsilon is the epsilon spent and rounds "
+        "the rounds run, configured_epsilon and configured_rounds what the config asked for; "
+        "default: the keys that differ among the runs (engines and extended runs always get "
+        "rows of their own)",
     )
     tb.add_argument("--format", choices=("md", "csv", "latex", "html"), default="md")
     tb.add_argument(
@@ -288,7 +295,8 @@ def add_report_parsers(subparsers: Any) -> None:
         "--where",
         action="append",
         metavar="KEY=VALUE",
-        help="keep only runs whose config has this value (method=fedproto, epsilon=1); repeatable",
+        help="keep only runs with this value (method=fedproto, epsilon=1: the epsilon spent; "
+        "configured_epsilon=1: the config's); repeatable",
     )
 
     tb.add_argument("--output", "-o", help="write the table to this file")

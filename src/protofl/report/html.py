@@ -24,11 +24,13 @@ import yaml
 from protofl.report import plots
 from protofl.report.tables import (
     AVG,
+    EPSILON_DIGITS,
     STD,
     NotARun,
     ResultTable,
     RunRecord,
     aggregate,
+    ceil_significant,
     collect_runs,
     default_by,
     display_key,
@@ -130,8 +132,13 @@ def render_html(doc: Doc) -> str:
             out.append(format_table(value, "html"))
         elif kind == "rows":
             headers, rows = value
-            out.append('<table class="plain"><thead><tr>')
-            out.append("".join(f"<th>{html.escape(h)}</th>" for h in headers) + "</tr></thead>")
+            out.append('<table class="plain">')
+            if any(headers):  # never an empty header row
+                out.append(
+                    "<thead><tr>"
+                    + "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+                    + "</tr></thead>"
+                )
             out.append("<tbody>")
             for r in rows:
                 out.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>")
@@ -235,7 +242,7 @@ def _privacy_section(doc: Doc, rec: RunRecord) -> None:
         rows = [[k, _fmt(guarantee[k])] for k in ("noise_key", "noise_key_note") if k in guarantee]
         rows += [["not covered", str(g)] for g in guarantee.get("not_covered", [])]
         rows += [["outside scope", str(g)] for g in guarantee.get("outside_scope", [])]
-        doc.rows(["", ""], rows)
+        doc.rows(["aspect", "detail"], rows)
     doc.rows(["key", "value"], [[k, _fmt(v)] for k, v in priv.items()])
     if isinstance(spent, dict) and spent:
         doc.h3("Privacy ledger: epsilon spent per client (whole run)")
@@ -272,6 +279,35 @@ def _files_section(doc: Doc, folder: Path) -> None:
     doc.p(", ".join(names))
 
 
+COUNT_METRICS = ("mia_members", "mia_nonmembers")
+"""Attack results that count examples: shown as whole numbers (their total over clients)."""
+
+
+def attack_rows(rec: RunRecord, metrics: dict[str, float]) -> list[list[str]]:
+    """``[metric, value]`` rows of the attack table: rates to 4 decimals, example counts as
+    integers (the total over clients when the attack file lists them; else the mean, rounded)."""
+    rows = []
+    for k, v in metrics.items():
+        if k not in COUNT_METRICS:
+            rows.append([k, f"{v:.4f}"])
+            continue
+        kind = k.split("_", 1)[0]
+        clients = (rec.attack(kind) or {}).get("clients")
+        counts = [
+            c.get(k)
+            for c in (clients.values() if isinstance(clients, dict) else [])
+            if isinstance(c, dict)
+        ]
+        numbers = [
+            float(c) for c in counts if isinstance(c, int | float) and not isinstance(c, bool)
+        ]
+        if numbers and len(numbers) == len(counts):
+            rows.append([f"{k} (total over {len(numbers)} clients)", f"{round(sum(numbers)):d}"])
+        else:
+            rows.append([f"{k} (mean per client)", f"{round(v):d}"])
+    return rows
+
+
 def _single_row_table(rec: RunRecord, metric: str) -> ResultTable:
     return aggregate([rec], by=[], metric=metric)
 
@@ -284,11 +320,18 @@ def _run_doc(
 ) -> Doc:
     s = rec.summary
     doc = Doc(title=f"protofl report: {rec.name}")
+    extended = (
+        f" (EXTENDED from the configured {rec.value('configured_rounds')} with protofl extend, "
+        f"at the noise calibrated for ε={format_value('epsilon', rec.value('configured_epsilon'))}"
+        f"; ε spent {format_value('epsilon', rec.value('epsilon'))})"
+        if rec.extended
+        else ""
+    )
     doc.p(
         f"Run folder {rec.path}; method {rec.value('method')}, privacy mechanism "
         f"{rec.value('mechanism')}, data set {s.get('dataset', rec.value('dataset'))}, "
-        f"{s.get('rounds')} rounds, seed {rec.value('seed')}; report generated "
-        f"{datetime.now().isoformat(timespec='seconds')}."
+        f"{s.get('rounds')} rounds{extended}, engine {rec.engine}, seed {rec.value('seed')}; "
+        f"report generated {datetime.now().isoformat(timespec='seconds')}."
     )
     notes: list[str] = []
     doc.h2("Accuracy")
@@ -344,7 +387,7 @@ def _run_doc(
     attacks = plots.attack_metrics(rec)
     if attacks:
         doc.h2("Attacks (mean over clients)")
-        doc.rows(["metric", "value"], [[k, f"{v:.4f}"] for k, v in attacks.items()])
+        doc.rows(["metric", "value"], attack_rows(rec, attacks))
     doc.h2("Privacy")
     _privacy_section(doc, rec)
     doc.h2("Resolved config")
@@ -358,9 +401,18 @@ def _run_doc(
 # a sweep or a folder of runs
 # --------------------------------------------------------------------------------------------
 def _group_label(by: Sequence[str], run: RunRecord) -> str:
-    if not by:
-        return str(run.value("method"))
-    return ", ".join(f"{display_key(k)}={format_value(k, run.value(k))}" for k in by)
+    """A row's name in figures; a Flower run and an extended run are named so (they never share
+    a row with simulator runs and runs that were not extended)."""
+    label = (
+        ", ".join(f"{display_key(k)}={format_value(k, run.value(k))}" for k in by)
+        if by
+        else str(run.value("method"))
+    )
+    if run.engine != "sim" and "engine" not in by:
+        label += f" [{run.engine}]"
+    if run.extended and "extended" not in by:
+        label += " (extended)"
+    return label
 
 
 def _many_doc(
@@ -422,8 +474,7 @@ def _many_doc(
             _try_figure(
                 doc,
                 lambda: plots.plot_privacy_utility(runs, figdir / "privacy_utility", metric),
-                "Privacy-utility: AVG accuracy against ε per mechanism (mean ± std over seeds); "
-                "dashed: no privacy.",
+                plots.privacy_utility_caption(runs),
                 notes,
                 "privacy-utility",
             )
@@ -450,6 +501,7 @@ def _many_doc(
             doc.p("Not shown: " + "; ".join(notes) + ".")
     doc.h2("Runs")
     rows = []
+    marks = any(r.extended for r in runs)
     for r in runs:
         sc = r.scores("final")
         eps = r.epsilon_spent()
@@ -461,12 +513,14 @@ def _many_doc(
                 str(r.value("seed")),
                 f"{100 * sc[AVG]:.2f}",
                 f"{100 * sc[STD]:.2f}",
-                "-" if eps is None else f"{eps:.3f}",
+                "-" if eps is None else f"{ceil_significant(eps, EPSILON_DIGITS):g}",
                 "-" if wall is None else f"{float(wall):.1f}",
+                *([("yes" if r.extended else "no")] if marks else []),
             ]
         )
     doc.rows(
-        ["folder", *[display_key(k) for k in keys], "seed", "AVG", "STD", "ε spent", "wall s"],
+        ["folder", *[display_key(k) for k in keys], "seed", "AVG", "STD", "ε spent", "wall s"]
+        + (["extended"] if marks else []),
         rows,
     )
     if status:
@@ -486,7 +540,9 @@ def _many_doc(
         doc.h2("Privacy")
         mechs: dict[tuple[Any, ...], RunRecord] = {}
         for r in runs:
-            mechs.setdefault((r.value("mechanism"), r.value("epsilon"), r.value("dcr")), r)
+            mechs.setdefault(
+                (r.value("mechanism"), r.value("configured_epsilon"), r.value("dcr")), r
+            )
         prow = []
         for (mech, eps, dcr), r in mechs.items():
             p = r.summary.get("privacy") or {}
@@ -500,7 +556,7 @@ def _many_doc(
                     str(r.value("privacy.accountant")),
                 ]
             )
-        doc.rows(["mechanism", "ε target", "δ", "σ", "DCR", "accountant"], prow)
+        doc.rows(["mechanism", "ε configured", "δ", "σ", "DCR", "accountant"], prow)
     doc.h2("Config")
     if status:
         doc.h3("Sweep grid")

@@ -140,11 +140,24 @@ def _epsilon_axis(ax: Any, eps_values: Sequence[float]) -> None:
     ax.set_xlabel("ε (per client, whole run)")
 
 
+def privacy_utility_caption(runs: Sequence[RunRecord]) -> str:
+    """The caption of :func:`plot_privacy_utility` for these runs: it names the dashed 'no
+    privacy' line only when the figure draws one (a run without a privacy mechanism)."""
+    text = (
+        "Privacy-utility: AVG accuracy against the ε spent (largest over clients, whole run) "
+        "per mechanism, one panel per method (mean ± std over seeds)"
+    )
+    if any(r.value("mechanism") == "none" for r in runs):
+        text += "; dashed black line: no privacy (mean, band ± std)"
+    return text + "."
+
+
 def plot_privacy_utility(
     runs: Sequence[RunRecord], stem: str | Path, metric: str = "final"
 ) -> list[Path]:
-    """AVG accuracy against epsilon, one line per mechanism (mean ± std over seeds), with the
-    'no privacy' runs as a dashed reference; one panel per method when there are several."""
+    """AVG accuracy against the epsilon spent, one line per mechanism (mean ± std over seeds),
+    with the 'no privacy' runs as a dashed reference; one panel per method when there are
+    several (:func:`privacy_utility_caption` says what is drawn)."""
     runs = [_as_record(r) for r in runs]
     methods = list(dict.fromkeys(str(r.value("method")) for r in runs))
     fig = _figure(5.2 * len(methods), 4.0)
@@ -487,7 +500,7 @@ def plot_epsilon(run: RunRecord | str | Path, stem: str | Path) -> list[Path]:
     fig = _figure(5.2, 3.4)
     ax = fig.add_subplot()
     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label="ε spent (max)")
-    budget = rec.value("epsilon")
+    budget = rec.value("configured_epsilon")  # what the noise was calibrated for
     if isinstance(budget, int | float):
         ax.axhline(float(budget), color="C3", ls="--", label=f"budget ε={budget:g}")
     _integer_rounds(ax)

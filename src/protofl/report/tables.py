@@ -17,6 +17,15 @@ engine computes them.  Over the runs of a group a cell shows ``mean +- std`` wit
 standard deviation (ddof=1); a group of one run shows the mean alone.  The best value of each
 column is marked (highest; for STD the lowest), ties all marked, nothing marked when every row
 shows the same value or there is only one row.
+
+Rows group by what ran, not by what was configured: ``epsilon`` (``privacy.epsilon``) is the
+largest epsilon spent over clients (``summary.json`` ``privacy.epsilon_spent``, rounded *up* to 4
+significant digits; the configured value only for a run that records none), ``rounds``
+(``federation.rounds``) the rounds run (``summary.json`` ``rounds``), and runs of different
+engines (``sim``, ``flower``) or an extended run (``protofl extend``) and one that is not never
+share a row: an ``engine`` column appears when engines differ, an ``extended`` column when a row
+holds extended runs.  The configured values are their own keys: ``configured_epsilon`` and
+``configured_rounds`` (any config key as ``configured.<dotted key>``).
 """
 
 from __future__ import annotations
@@ -54,7 +63,21 @@ ALIASES: dict[str, str] = {
     "partition": "data.partition",
     "alpha": "data.dirichlet_alpha",
     "seed": "seed",
+    "engine": "engine",
+    "extended": "extended",
 }
+CONFIGURED = "configured."
+"""Prefix of a key read from the run's config as configured (``configured.privacy.epsilon``),
+where the plain key says what ran."""
+CONFIGURED_EPSILON = CONFIGURED + "privacy.epsilon"
+CONFIGURED_ROUNDS = CONFIGURED + "federation.rounds"
+for _name, _key in (("epsilon", CONFIGURED_EPSILON), ("rounds", CONFIGURED_ROUNDS)):
+    for _sep in (" ", "_", "-", "."):
+        ALIASES[f"configured{_sep}{_name}"] = _key
+RAN_KEYS = ("privacy.epsilon", "federation.rounds", "engine", "extended")
+"""Keys whose value is read from what ran (``summary.json``), not from the config."""
+EPSILON_DIGITS = 4
+"""Significant digits of the epsilon spent in group keys and tables (rounded up)."""
 SHORT: dict[str, str] = {}
 for _alias, _key in ALIASES.items():
     SHORT.setdefault(_key, _alias)
@@ -107,9 +130,26 @@ class RunRecord:
         return self._metrics
 
     def value(self, key: str) -> Any:
-        """A config value by dotted or short key; epsilon is None without a privacy mechanism."""
+        """A value by dotted or short key: what ran for epsilon (the epsilon spent), rounds (the
+        rounds run), ``engine`` and ``extended``; the config's value for every other key and for
+        ``configured.<key>``.  Epsilon is None without a privacy mechanism."""
         key = resolve_key(key)
-        if key == "privacy.epsilon" and self.value("privacy.mechanism") == "none":
+        if key.startswith(CONFIGURED):
+            return self.configured(key[len(CONFIGURED) :])
+        if key == "privacy.epsilon":
+            return self.epsilon_ran()
+        if key == "federation.rounds":
+            return self.rounds_ran()
+        if key == "engine":
+            return self.engine
+        if key == "extended":
+            return self.extended
+        return self.configured(key)
+
+    def configured(self, key: str) -> Any:
+        """A config value by dotted or short key (epsilon None without a privacy mechanism)."""
+        key = resolve_key(key)
+        if key == "privacy.epsilon" and self.configured("privacy.mechanism") == "none":
             return None
         node: Any = self.config
         for part in key.split("."):
@@ -117,6 +157,57 @@ class RunRecord:
                 return None
             node = node[part]
         return node
+
+    def epsilon_ran(self) -> float | None:
+        """The epsilon the run spent: the largest over clients, rounded up to
+        :data:`EPSILON_DIGITS` significant digits; else the summary's stated epsilon; else
+        the configured one (a run that records none).  None without a privacy mechanism."""
+        priv = self.summary.get("privacy") or {}
+        mechanism = self.configured("privacy.mechanism")
+        if mechanism is None and isinstance(priv, Mapping):
+            mechanism = priv.get("mechanism")
+        if mechanism == "none":
+            return None
+        spent = self.epsilon_spent()
+        if spent is None and isinstance(priv, Mapping):
+            guarantee = priv.get("guarantee")
+            for stated in (
+                guarantee.get("epsilon") if isinstance(guarantee, Mapping) else None,
+                priv.get("epsilon"),
+            ):
+                if isinstance(stated, int | float) and not isinstance(stated, bool):
+                    spent = float(stated)
+                    break
+        if spent is None:
+            configured = self.configured("privacy.epsilon")
+            return float(configured) if isinstance(configured, int | float) else configured
+        return ceil_significant(spent, EPSILON_DIGITS)
+
+    def rounds_ran(self) -> Any:
+        """The rounds the run ran (``summary.json`` ``rounds``; else the configured rounds)."""
+        rounds = self.summary.get("rounds")
+        if isinstance(rounds, int) and not isinstance(rounds, bool):
+            return rounds
+        return self.configured("federation.rounds")
+
+    @property
+    def engine(self) -> str:
+        """``flower`` for a Flower run, else the engine its run record names (``sim``)."""
+        recorded = self.summary.get("engine")
+        if recorded:
+            return str(recorded)
+        from protofl.engine.rundir import record_engine
+
+        try:
+            return record_engine(self.path)
+        except Exception:  # an unreadable record: the simulator made every run before them
+            return "sim"
+
+    @property
+    def extended(self) -> bool:
+        """Whether the run was extended past its configured rounds (``protofl extend``)."""
+        priv = self.summary.get("privacy") or {}
+        return bool(isinstance(priv, Mapping) and priv.get("extensions"))
 
     @property
     def domains(self) -> list[str]:
@@ -183,6 +274,15 @@ class RunRecord:
         return data if isinstance(data, dict) else None
 
 
+def ceil_significant(value: float, digits: int) -> float:
+    """``value`` rounded up to ``digits`` significant digits (an epsilon is never understated;
+    1.9999999998 from the accountant is 2)."""
+    if not math.isfinite(value) or value <= 0:
+        return value
+    step = 10.0 ** (math.floor(math.log10(value)) - digits + 1)
+    return float(f"{math.ceil(value / step - 1e-6) * step:.{digits + 2}g}")
+
+
 def check_metric(metric: str) -> None:
     """Raise ValueError unless ``metric`` is one of :data:`METRIC_CHOICES`."""
     if metric not in METRIC_CHOICES:
@@ -241,26 +341,61 @@ def _resolved_config(path: Path) -> dict[str, Any]:
         return raw
 
 
+MAX_DEPTH = 4
+"""How deep :func:`expand_paths` descends into folders of runs (sweep folders, runs/<group>/)."""
+
+
+def _is_run_folder(path: Path) -> bool:
+    return (path / "summary.json").exists() or (path / "config.yaml").exists()
+
+
+def _sweep_runs(path: Path) -> list[Path] | None:
+    """A sweep folder's runs in grid order (None: not a readable sweep folder)."""
+    if not (path / "sweep.json").exists():
+        return None
+    try:
+        status = json.loads((path / "sweep.json").read_text())
+        return [path / r["dir"] for r in status.get("runs", [])]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _runs_below(path: Path, depth: int) -> list[Path]:
+    """The run folders in ``path``: a sweep's runs in grid order, else its sub-folders in name
+    order, descending into sweep folders and folders of runs; a run's client-local folder
+    (``<run>.client-local``) and ``figures`` are never runs."""
+    from protofl.engine.rundir import CLIENT_LOCAL_SUFFIX
+
+    swept = _sweep_runs(path)
+    if swept is not None:
+        return swept
+    if depth > MAX_DEPTH:
+        return []
+    out: list[Path] = []
+    try:
+        children = sorted(c for c in path.iterdir() if c.is_dir())
+    except OSError:
+        return []
+    for c in children:
+        if c.name.endswith(CLIENT_LOCAL_SUFFIX) or c.name == "figures":
+            continue
+        out += [c] if _is_run_folder(c) else _runs_below(c, depth + 1)
+    return out
+
+
 def expand_paths(paths: Iterable[str | Path]) -> list[Path]:
-    """Run folders, sweep folders (their runs in grid order) and folders of runs -> folders."""
+    """Run folders, sweep folders (their runs in grid order) and folders of runs -> folders.
+
+    A folder of runs is searched below: its run folders, and the runs of its sweep folders and
+    of its folders of runs (up to :data:`MAX_DEPTH` levels), in name order.
+    """
     out: list[Path] = []
     for p in paths:
         p = Path(p)
-        if (p / "sweep.json").exists():
-            try:
-                status = json.loads((p / "sweep.json").read_text())
-                out += [p / r["dir"] for r in status.get("runs", [])]
-                continue
-            except (OSError, ValueError, KeyError, TypeError):
-                pass
-        if p.is_dir() and not (p / "summary.json").exists() and not (p / "config.yaml").exists():
-            children = sorted(
-                c
-                for c in p.iterdir()
-                if c.is_dir() and ((c / "summary.json").exists() or (c / "config.yaml").exists())
-            )
-            if children:
-                out += children
+        if p.is_dir() and not _is_run_folder(p):
+            found = _runs_below(p, 0)
+            if found:
+                out += found
                 continue
         out.append(p)
     return out
@@ -369,6 +504,10 @@ class Group:
     cells: dict[str, Cell]
     metric: str = "final"
     """``final`` or ``last5``: what every cell of this row is."""
+    engine: str = "sim"
+    """The engine every run of this row ran on (``sim``, ``flower``)."""
+    extended: bool = False
+    """Whether the runs of this row were extended past their configured rounds."""
 
 
 @dataclass
@@ -385,6 +524,34 @@ class ResultTable:
     def shows_metric(self) -> bool:
         """Whether the rendered table has a ``metric`` column (rows follow their runs)."""
         return self.metric == HEADLINE
+
+    @property
+    def shows_engine(self) -> bool:
+        """Whether the rendered table has an ``engine`` column (its rows ran on different
+        engines and ``engine`` is not a group key)."""
+        return "engine" not in self.by and len({g.engine for g in self.groups}) > 1
+
+    @property
+    def shows_extended(self) -> bool:
+        """Whether the rendered table has an ``extended`` column (a row holds extended runs and
+        ``extended`` is not a group key)."""
+        return "extended" not in self.by and any(g.extended for g in self.groups)
+
+    def extra_heads(self) -> list[str]:
+        """The columns after the group keys that every row has: metric, engine, extended."""
+        return (
+            (["metric"] if self.shows_metric else [])
+            + (["engine"] if self.shows_engine else [])
+            + (["extended"] if self.shows_extended else [])
+        )
+
+    def extra_values(self, group: Group) -> list[str]:
+        """A row's values of :meth:`extra_heads`."""
+        return (
+            ([group.metric] if self.shows_metric else [])
+            + ([group.engine] if self.shows_engine else [])
+            + (["yes"] if group.extended else ["no"] if self.shows_extended else [])
+        )
 
     def best(self, column: str, digits: int = 2) -> set[int]:
         """Indices of the rows holding the best shown value of ``column`` (compared among the
@@ -406,19 +573,21 @@ class ResultTable:
 def aggregate(
     runs: Sequence[RunRecord], by: Sequence[str] | None = None, metric: str = "final"
 ) -> ResultTable:
-    """Group runs by config keys and average every column over each group's runs.
+    """Group runs by keys (what ran for epsilon and rounds: :meth:`RunRecord.value`) and average
+    every column over each group's runs.
 
     ``metric``: ``final``, ``last5`` or ``headline`` (each run's own; runs of different
-    headlines go to different rows).
+    headlines go to different rows).  Runs of different engines, and extended runs and runs
+    that were not, never share a row either.
     """
     check_metric(metric)
     if not runs:
         raise ValueError("no finished runs to tabulate")
     keys = [resolve_key(k) for k in by] if by is not None else default_by(runs)
-    groups: dict[tuple[tuple[Any, ...], str], list[RunRecord]] = {}
+    groups: dict[tuple[tuple[Any, ...], str, str, bool], list[RunRecord]] = {}
     for r in runs:
         row = tuple(_hashable(r.value(k)) for k in keys)
-        groups.setdefault((row, r.resolve_metric(metric)), []).append(r)
+        groups.setdefault((row, r.resolve_metric(metric), r.engine, r.extended), []).append(r)
     domains: list[str] = []
     extra: list[str] = []
     for r in runs:
@@ -429,7 +598,7 @@ def aggregate(
             extra.append(HOLDOUT)
     columns = [*domains, AVG, STD, *extra]
     out = []
-    for (key, row_metric), members in groups.items():
+    for (key, row_metric, engine, extended), members in groups.items():
         per_col: dict[str, list[float]] = {}
         for r in members:
             for col, v in r.scores(metric).items():
@@ -445,7 +614,16 @@ def aggregate(
                 std=float(arr.std(ddof=1)) if len(arr) > 1 else None,
                 n=len(arr),
             )
-        out.append(Group(key=key, runs=list(members), cells=cells, metric=row_metric))
+        out.append(
+            Group(
+                key=key,
+                runs=list(members),
+                cells=cells,
+                metric=row_metric,
+                engine=engine,
+                extended=extended,
+            )
+        )
     return ResultTable(by=keys, columns=columns, groups=out, metric=metric)
 
 
@@ -455,7 +633,7 @@ def aggregate(
 def format_value(key: str, value: Any, fmt: str = "md") -> str:
     """A group-key value as shown in a table (epsilon None = no privacy = infinity)."""
     if value is None:
-        if resolve_key(key) == "privacy.epsilon":
+        if resolve_key(key) in ("privacy.epsilon", CONFIGURED_EPSILON):
             return {"latex": r"$\infty$", "csv": "inf"}.get(fmt, "∞")
         return "-"
     if isinstance(value, bool):
@@ -500,11 +678,11 @@ def format_table(table: ResultTable, fmt: str = "md", digits: int = 2) -> str:
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r} is unknown; choose one of: {', '.join(FORMATS)}")
     best = {col: table.best(col, digits) for col in table.columns}
-    heads = [display_key(k) for k in table.by] + (["metric"] if table.shows_metric else [])
+    heads = [display_key(k) for k in table.by] + table.extra_heads()
 
     def row_keys(g: Group, key_fmt: str) -> list[str]:
         keys = [format_value(k, v, key_fmt) for k, v in zip(table.by, g.key)]
-        return keys + ([g.metric] if table.shows_metric else [])
+        return keys + table.extra_values(g)
 
     if fmt == "csv":
         buf = io.StringIO()
@@ -588,5 +766,8 @@ def describe_metric(metric: str) -> str:
     }[metric]
     return (
         f"Accuracy (%), {which}; AVG = mean over domains, STD = std over domains; "
-        "mean ± sample std over the runs of a row (n); best per column marked (STD: lowest)."
+        "mean ± sample std over the runs of a row (n); best per column marked (STD: lowest). "
+        "epsilon = the largest epsilon spent over clients (rounded up), rounds = the rounds run; "
+        "extended = runs continued past their configured rounds (protofl extend) at the "
+        "calibrated noise."
     )

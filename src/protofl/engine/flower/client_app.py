@@ -87,14 +87,18 @@ OVERRIDES_KEY = "protofl-set"
 
 
 def config_from_run_config(run_config: Any) -> ExperimentConfig:
-    """The experiment config carried by a Flower run config (``protofl-config`` JSON plus
-    ``protofl-set`` overrides)."""
+    """The experiment config carried by a Flower run config: ``protofl-config`` JSON, the typed
+    keys of a generated app over it (``rounds``, ``epsilon``, ...:
+    :data:`protofl.engine.flower.app.TYPED_KEYS`), then ``protofl-set`` overrides."""
+    from protofl.engine.flower.app import apply_typed_keys
+
     if CONFIG_KEY not in run_config:
         raise ValueError(
             f"the Flower run config has no {CONFIG_KEY!r}; generate the app with "
             "`protofl flower-app OUT_DIR CONFIG` or pass the config to make_client_app"
         )
     config = ExperimentConfig.from_dict(json.loads(str(run_config[CONFIG_KEY])), source=CONFIG_KEY)
+    config = apply_typed_keys(config, run_config)
     overrides = [s.strip() for s in str(run_config.get(OVERRIDES_KEY, "")).split(";")]
     return config.with_overrides([s for s in overrides if s])
 

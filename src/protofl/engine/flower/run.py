@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +43,7 @@ def run_flower_simulation(
     round_timeout: float = 600.0,
     silent_nodes: tuple[int, ...] = (),
     ray_address: str | None = None,
+    progress: bool | None = False,
 ) -> FlowerRunResult:
     """Run ``config`` with Flower's ServerApp/ClientApp on ``backend``; returns the summary.
 
@@ -51,7 +56,9 @@ def run_flower_simulation(
     in its ``state-dir``); :func:`resume_flower_simulation` continues it.
     ``silent_nodes`` (inline only): partitions whose node never answers (fault drills).
     ``ray_address``: join a running Ray cluster (``ray start --head`` / ``--address``; "auto"
-    finds the local one) instead of starting a private single-machine Ray.
+    finds the local one) instead of starting a private single-machine Ray.  ``progress``: a
+    line while the runtime starts and a rounds bar (stderr), as the in-process engine shows
+    (None: ``run.progress``).
     """
     from protofl.engine.federated_data import preflight
     from protofl.engine.runner import make_run_dir, start_run_dir
@@ -73,6 +80,7 @@ def run_flower_simulation(
         round_timeout=round_timeout,
         silent_nodes=silent_nodes,
         ray_address=ray_address,
+        progress=progress,
     )
 
 
@@ -86,6 +94,7 @@ def resume_flower_simulation(
     round_timeout: float = 600.0,
     silent_nodes: tuple[int, ...] = (),
     ray_address: str | None = None,
+    progress: bool | None = False,
 ) -> FlowerRunResult:
     """Continue a Flower run folder from its server checkpoint, its clients from their
     node-local state (``extend`` > 0: a finished run, for that many more rounds at its
@@ -114,6 +123,7 @@ def resume_flower_simulation(
         round_timeout=round_timeout,
         silent_nodes=silent_nodes,
         ray_address=ray_address,
+        progress=progress,
     )
 
 
@@ -146,6 +156,7 @@ def _simulate(
     round_timeout: float,
     silent_nodes: tuple[int, ...],
     ray_address: str | None,
+    progress: bool | None = False,
 ) -> FlowerRunResult:
     from protofl.data.cache import protofl_home
     from protofl.engine.federated_data import build_federated_data
@@ -163,13 +174,24 @@ def _simulate(
     if state_root is None and config.run.client_state == "disk":
         scratch = tempfile.TemporaryDirectory(prefix="protofl-flower-nodes-")
         state_root = Path(scratch.name)
+    progress = config.run.progress if progress is None else progress
+    bar = _RoundsBar(progress)
     try:
         # build (and disk-cache) the data once here: it tells how many SuperNodes to start,
         # and the server (the operator, who built every partition) what each must register
-        data = build_federated_data(config, home)
+        from protofl.report.progress import progress_notes
+
+        with progress_notes(progress):  # feature extraction on a fresh home takes minutes
+            data = build_federated_data(config, home)
         num_clients = len(data.clients)
         plan = plan_from_data(config, data)
         del data
+        target = target_rounds(run_dir, config) if run_dir is not None else config.federation.rounds
+        bar.say(
+            f"starting Flower ({'in-process grid' if backend == 'inline' else 'Ray simulation'}"
+            f", {num_clients} SuperNodes) ..."
+        )
+        bar.start(target)
         outcome = ServerOutcome()
         client_app = make_client_app(
             config,
@@ -199,6 +221,7 @@ def _simulate(
                 round_timeout=round_timeout,
                 wait_timeout=60.0,
                 outcome=outcome,
+                on_round=bar.on_round,
                 diagnostics=config.run.diagnostics,
                 plan=plan,
             )
@@ -213,29 +236,101 @@ def _simulate(
                 min_nodes=num_clients,
                 round_timeout=round_timeout,
                 outcome=outcome,
+                on_round=bar.on_round,
                 diagnostics=config.run.diagnostics,
                 plan=plan,
             )
-            run_simulation(
-                server_app=server_app,
-                client_app=client_app,
-                num_supernodes=num_clients,
-                backend_config={
-                    "client_resources": {"num_cpus": num_cpus, "num_gpus": 0.0},
-                    "init_args": (
-                        {"address": ray_address}
-                        if ray_address
-                        else {"num_cpus": max(os.cpu_count() or 1, 1)}
-                    ),
-                },
-            )
+            with quiet_flower():
+                run_simulation(
+                    server_app=server_app,
+                    client_app=client_app,
+                    num_supernodes=num_clients,
+                    backend_config={
+                        "client_resources": {"num_cpus": num_cpus, "num_gpus": 0.0},
+                        "init_args": (
+                            {"address": ray_address}
+                            if ray_address
+                            else {"num_cpus": max(os.cpu_count() or 1, 1)}
+                        ),
+                    },
+                )
         if not outcome.summary:
             raise RuntimeError("the Flower ServerApp did not complete (see the log above)")
         return FlowerRunResult(outcome.run_dir, outcome.summary, outcome.history)
     finally:
+        bar.stop()
         torch.set_num_threads(threads)
         if scratch is not None:
             scratch.cleanup()
+
+
+class _RoundsBar:
+    """The rounds bar of ``protofl run --engine flower`` (rich, stderr), like the in-process
+    engine's; ``on_round`` is the ServerApp's per-round callback.  Off: does nothing."""
+
+    def __init__(self, show: bool) -> None:
+        self.show = show
+        self._bar: Any = None
+        self._task: Any = None
+
+    def say(self, line: str) -> None:
+        if self.show:
+            print(line, file=sys.stderr, flush=True)
+
+    def start(self, total: int) -> None:
+        if not self.show:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(
+            TextColumn("[bold]rounds"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TextColumn("avg {task.fields[avg]}"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=False,
+        )
+        self._task = self._bar.add_task("rounds", total=total, completed=0, avg="-")
+        self._bar.start()
+
+    def on_round(self, m: RoundMetrics) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=m.round, avg=f"{100 * m.avg_acc:.1f}%")
+
+    def stop(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+class _DropDeprecation(logging.Filter):
+    """Drops Flower's notice that ``run_simulation`` is deprecated: protofl calls it on
+    purpose (the pinned 1.42 still has it; docs/distributed.md "Pinned version range")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg) + " ".join(str(a) for a in (record.args or ()))  # type: ignore[union-attr]
+        return not ("DEPRECATED FEATURE" in text and "run_simulation" in text)
+
+
+@contextmanager
+def quiet_flower() -> Iterator[None]:
+    """While protofl launches Flower's simulation runtime: no deprecation notice for
+    ``run_simulation`` (Flower's logger) and no Ray FutureWarning about accelerator env vars
+    (protofl's ClientApps ask for no GPU); both are about APIs protofl chose, not the run."""
+    flwr_log = logging.getLogger("flwr")
+    drop = _DropDeprecation()
+    flwr_log.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, module=r"ray(\.|$)")
+            warnings.filterwarnings(
+                "ignore", message=".*RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", category=FutureWarning
+            )
+            yield
+    finally:
+        flwr_log.removeFilter(drop)
 
 
 # ----- CLI glue (the lead wires these into protofl.cli) ---------------------------------------
@@ -286,16 +381,24 @@ def add_flower_app_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run_flower_app_command(args: argparse.Namespace) -> int:
     """Handler of ``protofl flower-app``."""
-    from protofl.engine.flower.app import write_flower_app
+    from protofl.engine.flower.app import config_num_clients, flwr_run_command, write_flower_app
 
     config = ExperimentConfig.from_yaml(args.config) if args.config else ExperimentConfig()
     config = config.with_overrides(args.set or [])
+    num = args.num_supernodes
+    if num is None:
+        from protofl.report.progress import progress_notes
+
+        print(f"building the data set {config.data.name!r} to count its clients ...", flush=True)
+        with progress_notes(True):
+            num = config_num_clients(config)
     path = write_flower_app(
         args.out_dir,
         config,
         out_dir=args.runs,
         round_timeout=args.round_timeout,
-        num_supernodes=args.num_supernodes,
+        num_supernodes=num,
     )
-    print(f"wrote the Flower App to {path}; run it with: flwr run {path} local --stream")
+    print(f"wrote the Flower App to {path} ({num} clients); run it with:")
+    print(f"  {flwr_run_command(path, num)}")
     return 0

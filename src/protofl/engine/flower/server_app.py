@@ -202,6 +202,7 @@ def run_flower_server(
     from protofl.engine.runner import attach_log, extended_privacy, make_run_dir, start_run_dir
 
     outcome = outcome if outcome is not None else ServerOutcome()
+    created = run_dir is None and out is not None  # removed again if no round completes
     if run_dir is None and out is not None:
         run_dir = make_run_dir(config, out)
         start_run_dir(config, run_dir, engine=engine)
@@ -250,7 +251,17 @@ def run_flower_server(
             rewrite_rounds(run_dir, [m.to_json() for m in strategy.history], keep_local=diagnostics)
         todo = (target if target is not None else config.federation.rounds) - len(strategy.history)
         if todo > 0:
-            strategy.start(grid=grid, num_rounds=todo)
+            try:
+                strategy.start(grid=grid, num_rounds=todo)
+            except TimeoutError as exc:
+                if strategy.history or "registered within" not in str(exc):
+                    raise
+                raise TimeoutError(
+                    f"{exc}: the federation did not start. Start one SuperNode per client "
+                    f"({strategy.num_clients or 'see the config'}); in Flower's local "
+                    "simulation: flwr run APP local --stream --federation-config "
+                    f'"num-supernodes={strategy.num_clients or "N"}"'
+                ) from exc
         outcome.summary = build_summary(config, strategy)
         outcome.summary["privacy"] = extended_privacy(outcome.summary["privacy"], extensions)
         if run_dir is not None:
@@ -259,13 +270,39 @@ def run_flower_server(
             if config.run.save_releases:
                 save_received(strategy, run_dir)
         log.info("flower run finished: avg %.4f", outcome.summary["avg_acc"])
+    except BaseException:
+        failed = True
+        raise
+    else:
+        failed = False
     finally:
         if handler is not None:
             logging.getLogger("protofl").removeHandler(handler)
             handler.close()
         if lock is not None:
             lock.release()
+        if created and failed and run_dir is not None and not outcome.history:
+            _remove_empty_run(run_dir)
+            outcome.run_dir = None
     return outcome
+
+
+def _remove_empty_run(run_dir: Path) -> None:
+    """Remove a run folder this server started but that holds no round (the federation did not
+    start): it would only look like a run.  Its ``run.log`` goes to the log first."""
+    import shutil
+
+    from protofl.engine.rundir import CLIENT_LOCAL_SUFFIX
+
+    try:
+        text = (run_dir / "run.log").read_text(errors="replace").strip()
+    except OSError:
+        text = ""
+    if text:
+        log.error("run.log of the removed run folder %s:\n%s", run_dir, text[-4000:])
+    log.error("no round completed: removed the run folder %s", run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(run_dir.with_name(run_dir.name + CLIENT_LOCAL_SUFFIX), ignore_errors=True)
 
 
 def save_received(strategy: ProtoStrategy, run_dir: Path) -> None:

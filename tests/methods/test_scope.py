@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from protofl.config import ExperimentConfig
-from protofl.engine.engines import mechanism_scope
 from protofl.methods.checks import tiny_config
+from protofl.methods.scope import mechanism_scope
 
 
 def test_a_mechanism_on_a_method_without_prototypes_is_named_as_protecting_nothing() -> None:
@@ -32,7 +32,7 @@ def test_the_warning_reaches_the_console_before_the_run(
     from protofl.api import run
 
     config = tiny_config("fedavg", "igpp", rounds=1)
-    with caplog.at_level(logging.WARNING, logger="protofl.engine.engines"):
+    with caplog.at_level(logging.WARNING, logger="protofl.methods.scope"):
         summary = run(config, out=tmp_path)
     assert any("protects nothing here" in r.getMessage() for r in caplog.records)
     assert summary["privacy"]["guarantee"]["epsilon"] is None
