@@ -27,13 +27,14 @@ def paper_config(
     preset: str, root: Path, backbone: dict[str, Any], **run_length: int
 ) -> ExperimentConfig:
     """``preset`` on the PACS tree at ``root`` with ``backbone``; ``run_length`` (rounds,
-    local_epochs) is the only other value the test sets."""
+    local_epochs) is the only other value the test sets, besides keeping every round's
+    checkpoint (the tests read the client states after each round)."""
     return ExperimentConfig.from_dict(
         {
             "preset": preset,
             "data": {"name": "pacs", "root": str(root)},
             "backbone": backbone,
-            "federation": dict(run_length),
+            "federation": {**run_length, "keep_checkpoints": 0},
             "run": {"progress": False, "save_releases": False},
         }
     )

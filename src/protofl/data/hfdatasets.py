@@ -42,6 +42,7 @@ from protofl.data.base import (
 )
 from protofl.data.imagefolder import RESAMPLE, VPDR_SPLIT_SEED, DatasetRootError
 from protofl.errors import ConfigError
+from protofl.extras import install_hint
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def _datasets() -> Any:
         import datasets
     except ImportError as exc:
         raise ImportError(
-            "data set 'hf' needs the Hugging Face datasets library: pip install 'protofl[hf]' "
+            f"data set 'hf' needs the Hugging Face datasets library: {install_hint('hf')} "
             "(or pip install 'datasets>=2.14')"
         ) from exc
     return datasets
@@ -474,7 +475,7 @@ DATASET_REGISTRY.add(
         loader=load_hf_dataset,
         description="a local Hugging Face datasets directory (save_to_disk or parquet) with "
         "image, label and domain columns, or one directory per domain",
-        how_to_get=f"pip install 'protofl[hf]'; set data.root (or {HF_ENV}). Layout:\n"
+        how_to_get=f"{install_hint('hf')}; set data.root (or {HF_ENV}). Layout:\n"
         + HF_LAYOUT.rstrip(),
         is_available=_available,
         preflight=preflight_hf,
