@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import protofl.attacks  # noqa: F401  (registers the engine's diagnostic hooks, as protofl.api does)
+
 
 @pytest.fixture(autouse=True)
 def _isolated_home(

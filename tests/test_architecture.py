@@ -15,13 +15,18 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement, at any depth (functions too), except ``if TYPE_CHECKING:``."""
+def _imports(tree: ast.AST, type_checking: bool = False) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement, at any depth (functions too); those under ``if TYPE_CHECKING:``
+    only with ``type_checking``."""
     out: list[ast.Import | ast.ImportFrom] = []
 
     def walk(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            if (
+                not type_checking
+                and isinstance(child, ast.If)
+                and "TYPE_CHECKING" in ast.unparse(child.test)
+            ):
                 for alt in child.orelse:
                     walk(alt)
                 continue
@@ -33,13 +38,14 @@ def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the protofl modules it imports (a package import counts as its __init__)."""
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
+    """Module -> the protofl modules it imports (a package import counts as its __init__);
+    ``type_checking`` counts the imports under ``if TYPE_CHECKING:`` too."""
     files = {_module_name(p): p for p in SRC.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in files}
     for mod, path in files.items():
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-        for node in _imports(ast.parse(path.read_text())):
+        for node in _imports(ast.parse(path.read_text()), type_checking):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
@@ -97,15 +103,93 @@ def test_no_import_cycles() -> None:
     assert cycles(graph) == [], "import cycles (imports inside functions count too)"
 
 
+def test_no_import_cycles_even_for_type_checking() -> None:
+    """The annotations too: a cycle through ``if TYPE_CHECKING:`` imports is a real one."""
+    assert cycles(import_graph(type_checking=True)) == [], "import cycles (TYPE_CHECKING counts)"
+
+
 def test_the_cycle_finder_finds_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
 
 
 def test_the_engine_does_not_import_the_attacks() -> None:
-    graph = import_graph()
-    for mod in ("protofl.engine.simulation", "protofl.engine.batched", "protofl.engine.round"):
+    graph = import_graph(type_checking=True)
+    for mod in (m for m in graph if m.startswith("protofl.engine")):
         assert not any(t.startswith("protofl.attacks") for t in graph[mod]), mod
+
+
+# ----- layers that point one way ----------------------------------------------------------------
+# low -> high: a module imports modules of its own layer or of lower ones (a package stands for
+# its modules; the longest name that matches places a module)
+LAYERS: list[set[str]] = [
+    {"protofl", "protofl.errors", "protofl.registry", "protofl.seeding", "protofl.yamlio"}
+    | {"protofl.extras", "protofl.progress"},
+    {"protofl.presets", "protofl.privacy"},
+    {"protofl.config"},  # composes protofl.privacy.config
+    {"protofl.models"},
+    {"protofl.data"},  # data.features runs the backbones
+    {"protofl.methods"},
+    {"protofl.engine"},
+    {"protofl.attacks"},  # registers its hooks with protofl.engine.hooks
+    {"protofl.report"},
+    {"protofl.api", "protofl.cli"},
+]
+# the upward edges that remain, each with its reason: this list may only shrink
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {
+    ("protofl.engine.runner", "protofl.report.tensorboard"): (
+        "run.tensorboard's per-round scalars; the logger could move into the engine"
+    ),
+    ("protofl.engine.simulation", "protofl.report.norms"): (
+        "the per-round feature-norm statistics; a numpy-only helper that could move down"
+    ),
+}
+
+
+def layer_of(module: str) -> int:
+    matches = [
+        (len(name), i)
+        for i, names in enumerate(LAYERS)
+        for name in names
+        if module == name or (name != "protofl" and module.startswith(name + "."))
+    ]
+    assert matches, f"{module} is in no layer: add it to LAYERS"
+    return max(matches)[1]
+
+
+def test_layers_point_one_way() -> None:
+    """No module imports a module of a higher layer (inside functions and under
+    ``if TYPE_CHECKING:`` too) except the listed ALLOWED_UPWARD edges."""
+    graph = import_graph(type_checking=True)
+    upward = {
+        (mod, target)
+        for mod, targets in graph.items()
+        for target in targets
+        if layer_of(target) > layer_of(mod)
+    }
+    assert sorted(upward - set(ALLOWED_UPWARD)) == [], "imports of a higher layer"
+    assert sorted(set(ALLOWED_UPWARD) - upward) == [], "ALLOWED_UPWARD names a removed edge"
+
+
+def test_the_layer_check_sees_an_upward_import() -> None:
+    assert layer_of("protofl.engine.runner") > layer_of("protofl.methods.base")
+    assert layer_of("protofl.attacks.mia") > layer_of("protofl.engine.hooks")
+    assert layer_of("protofl.progress") == 0 < layer_of("protofl.report.html")
+
+
+def test_code_shape_measures_functions_and_methods() -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "code_shape.py"
+    spec = importlib.util.spec_from_file_location("code_shape", path)
+    assert spec is not None and spec.loader is not None
+    code_shape = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(code_shape)
+    source = (
+        "def f():\n    return 1\n\n\n"
+        "class C:\n    @staticmethod\n    def g():\n        x = 1\n        return x\n"
+    )
+    assert sorted(code_shape.function_lengths(source)) == [(2, "f"), (4, "C.g")]
 
 
 def test_cli_choices_come_from_the_registries() -> None:

@@ -35,6 +35,7 @@ def run(
     folder the run folder is made in (default ``run.out_dir``).  Bad input fails with the
     config's one-line errors before any folder is made.
     """
+    import protofl.attacks  # noqa: F401  (registers the engine's diagnostic hooks: run.mia_every)
     from protofl.config import ExperimentConfig
     from protofl.engine.engines import EngineOptions, run_engine
 

@@ -165,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_report_parsers(sub)
     add_flower_app_parser(sub)
+    import protofl.attacks  # noqa: F401  (registers the engine's diagnostic hooks: run.mia_every)
     from protofl.attacks.cli import add_attack_parsers
 
     add_attack_parsers(sub)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bz2
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +15,12 @@ from scipy.io import savemat
 
 from protofl.data import DATASET_REGISTRY
 from protofl.data.cifar import CIFAR10_CLASSES, load_cifar10
-from protofl.data.digits_files import load_digits, parse_usps_libsvm
+from protofl.data.digits_files import DIGITS_ENV, load_digits, parse_usps_libsvm
 from protofl.data.imagefolder import DataFileError, DatasetRootError
-from protofl.data.mnist import write_idx
+from protofl.data.mnist import MNIST_FILES, write_idx
 from protofl.data.partition import dirichlet_split
+from protofl.engine.federated_data import preflight
+from tests.data.helpers import missing_root_makes_nothing, preflight_config, refused
 
 RNG = np.random.default_rng(0)
 
@@ -196,6 +199,63 @@ def test_usps_h5(tmp_path: Path) -> None:
             g["target"] = y
     ds = load_digits(tmp_path, str(root), domains=["usps"])
     assert brightness_ok(ds.domains[0].train.images, ds.domains[0].train.labels)
+
+
+# ---------------------------------------------------------------- preflight
+
+
+def test_digits_without_a_root_makes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing_root_makes_nothing(tmp_path, monkeypatch, "digits", DIGITS_ENV)
+
+
+def test_digits_files_are_checked_before_anything_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PROTOFL_MNIST_DIR", raising=False)
+    root = make_digits(tmp_path / "d")
+    preflight(preflight_config("data.name=digits", f"data.root={root}"))  # the four domains
+    for f in (root / "SVHN").iterdir():
+        f.unlink()
+    msg = refused(
+        tmp_path,
+        DatasetRootError,
+        r"digits/svhn: train_32x32\.mat \+ test_32x32\.mat not found \(searched: .*SVHN",
+        "data.name=digits",
+        f"data.root={root}",
+    )
+    assert "Expected layout" in msg
+    preflight(  # a domain left out is not looked for
+        preflight_config(
+            "data.name=digits", f"data.root={root}", "data.options.domains=[mnist, usps]"
+        )
+    )
+    refused(
+        tmp_path,
+        DatasetRootError,
+        r"digits/mnistm: mnist_m/mnist_m_train .* not found",
+        "data.name=digits",
+        f"data.root={root}",
+        "data.options.domains=[mnistm]",
+    )
+
+
+def test_digits_preflight_lets_mnist_come_from_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PROTOFL_MNIST_DIR", raising=False)
+    root = make_digits(tmp_path / "d")
+    shutil.rmtree(root / "MNIST")
+    only_mnist = ["data.name=digits", f"data.root={root}", "data.options.domains=[mnist]"]
+    refused(tmp_path, DatasetRootError, r"digits/mnist: the four MNIST IDX files", *only_mnist)
+    home = tmp_path / "cache-home"  # the loader falls back to protofl's MNIST cache
+    cache = home / "raw" / "mnist"
+    cache.mkdir(parents=True)
+    for f in MNIST_FILES:
+        (cache / f.dotted).write_bytes(b"")
+    monkeypatch.setenv("PROTOFL_HOME", str(home))
+    preflight(preflight_config(*only_mnist))
 
 
 # ---------------------------------------------------------------- CIFAR

@@ -359,8 +359,8 @@ def test_engine_hooks_match_sequential() -> None:
     for name, scores in sim.last_mia.items():
         assert twin.last_mia[name] == pytest.approx(scores, rel=1e-3, abs=1e-3)
     for c, d in zip(sim.clients, twin.clients):
-        assert c.ledger.state_dict() == d.ledger.state_dict()
-        assert c.noise_gen.state_dict() == d.noise_gen.state_dict()
+        assert c.privacy.ledger.state_dict() == d.privacy.ledger.state_dict()
+        assert c.privacy.key.state_dict() == d.privacy.key.state_dict()
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
@@ -567,11 +567,14 @@ def test_privacy_status_accounts_each_distinct_ledger_once() -> None:
     # every client made the same kind of release (same sigma, same sensitivity): one composition
     compositions = accounting._compose.cache_info().misses
     assert len(set(eps.values())) == 1 and compositions == 1
-    fresh = {c.data.name: real(c.ledger.events(), delta=c.ledger.delta) for c in sim.clients}
+    fresh = {
+        c.data.name: real(c.privacy.ledger.events(), delta=c.privacy.ledger.delta)
+        for c in sim.clients
+    }
     assert eps == pytest.approx(fresh)
     # a client whose ledger differs (it sat out a round) is accounted on its own
-    sim.clients[0].ledger.entries.pop()
-    sim.clients[0].ledger._cache = None
+    sim.clients[0].privacy.ledger.entries.pop()
+    sim.clients[0].privacy.ledger._cache = None
     status = sim.privacy_status()
     assert status["epsilon_spent"][sim.clients[0].data.name] == 0.0
     assert status["epsilon_spent"][sim.clients[1].data.name] == eps[sim.clients[1].data.name]

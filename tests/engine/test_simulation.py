@@ -69,14 +69,14 @@ def test_the_mechanism_gets_cpu_features_and_draws_from_cpu_generators() -> None
     for execution in ("sequential", "batched"):
         sim = _sim(**{"federation.execution": execution})
         assert _spy_round(sim) == [({"cpu"}, {"cpu"})]
-        assert all(c.noise_gen.device.type == "cpu" for c in sim.clients)
+        assert all(c.privacy.key.device.type == "cpu" for c in sim.clients)
         assert all(c.train_gen.device.type == "cpu" for c in sim.clients)
 
 
 def test_noise_is_the_cpu_generators_draw() -> None:
     sim = _sim(mechanism="igpp")
     clip = sim.config.privacy.clip
-    before = [c.noise_gen.state_dict() for c in sim.clients]
+    before = [c.privacy.key.state_dict() for c in sim.clients]
     feats = sim.upload_features(sim.clients)  # round 1 releases the untrained models' features
     sim.run_round()
     for c, f, state, release in zip(sim.clients, feats, before, sim.releases[0]):

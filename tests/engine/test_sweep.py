@@ -1,10 +1,12 @@
 """Sweeps: every point validated before anything runs; finished runs skipped, a stopped run
-resumed, a failing run reported without stopping the others."""
+resumed, a failing run reported without stopping the others; every point on the engine its
+``run.engine`` names."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -12,11 +14,19 @@ from typing import Any
 import pytest
 import yaml
 
-from protofl.config import ConfigError
-from protofl.engine.rundir import read_client_summary
+from protofl.config import ConfigError, ExperimentConfig
+from protofl.engine.engines import (
+    ENGINE_REGISTRY,
+    EngineOptions,
+    in_dir_engine,
+    run_engine_in_dir,
+)
+from protofl.engine.rundir import read_client_summary, read_record, write_record
 from protofl.engine.sweep import (
+    LOG_FILE,
     execute_point,
     format_sweep_result,
+    fusion_groups,
     load_sweep,
     plan_sweep,
     read_status,
@@ -453,3 +463,251 @@ def test_killed_sweep_leaves_no_worker_writing_runs(tmp_path: Path, sig: str) ->
         for pid in _workers_of(str(tmp_path)):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+# ----- run.engine: every point on its engine (the registry), resumed there ---------------------
+# On main a sweep point called the simulator's run_in_dir directly: a sweep whose base or grid
+# set run.engine: flower ran every point in the in-process simulator (and fused batched ones into
+# the simulator's fused program), silently.
+def _engine_base(engine: str = "flower", **federation: Any) -> dict[str, Any]:
+    base = _base()
+    base["federation"].update(federation)
+    base["run"]["engine"] = engine
+    return base
+
+
+def _engine_plan(grid: dict[str, list[Any]], base: dict[str, Any] | None = None) -> Any:
+    return plan_sweep({"name": "e", "base": base or _engine_base(), "grid": grid})
+
+
+@dataclasses.dataclass
+class _Result:
+    run_dir: Path | None
+    summary: dict[str, Any]
+
+
+def _fake_engine(monkeypatch: pytest.MonkeyPatch, name: str) -> list[dict[str, Any]]:
+    """Replace the registered ``name`` engine's in-folder runner with one that records each
+    call and writes a finished run folder of that engine (no Flower, no Ray)."""
+    calls: list[dict[str, Any]] = []
+
+    def run_in_dir(
+        config: ExperimentConfig, run_dir: Path, options: EngineOptions, resume: bool
+    ) -> _Result:
+        calls.append(
+            {
+                "engine": config.run.engine,
+                "dir": run_dir.name,
+                "resume": resume,
+                "flower": dict(options.flower),
+                "home": options.home,
+                "progress": options.progress,
+            }
+        )
+        if read_record(run_dir) is None:
+            write_record(run_dir, config, engine=name)
+        summary = {"engine": name, "avg_acc": 0.5, "rounds": config.federation.rounds}
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+        return _Result(run_dir, summary)
+
+    engine = dataclasses.replace(ENGINE_REGISTRY.get(name), run_in_dir=run_in_dir)
+    monkeypatch.setitem(ENGINE_REGISTRY._items, name, engine)
+    return calls
+
+
+def test_sweep_points_run_on_the_flower_engine_resume_there_and_never_fuse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run.engine=flower in the base: every point goes to the flower engine (with the sweep's
+    flower options and cache home), a point with checkpoints is resumed there, and batched
+    points that would fuse on the simulator each run on their own."""
+    calls = _fake_engine(monkeypatch, "flower")
+    plan = _engine_plan({"seed": [0, 1, 2]}, _engine_base(execution="batched"))
+    assert [len(t) for t in fusion_groups(plan.points)] == [1, 1, 1]
+    sweep_dir = tmp_path / "s"
+    stopped = plan.points[1].run_dir(sweep_dir)  # killed after its first round
+    stopped.mkdir(parents=True)
+    write_record(stopped, plan.points[1].config, engine="flower")
+    (stopped / "checkpoints.json").write_text(json.dumps([{"round": 1, "file": "x.pt"}]))
+    home = tmp_path / "home"
+
+    result = run_sweep(
+        plan,
+        sweep_dir=sweep_dir,
+        jobs=1,
+        home=home,
+        progress=False,
+        flower={"backend": "inline"},
+    )
+
+    assert [(r.status, r.action, r.fused) for r in result.runs] == [
+        ("done", "ran", None),
+        ("done", "resumed", None),
+        ("done", "ran", None),
+    ]
+    assert result.runs[1].resumed_from == 1
+    assert calls == [
+        {
+            "engine": "flower",
+            "dir": p.dirname,
+            "resume": p.index == 1,
+            "flower": {"backend": "inline"},
+            "home": home,
+            "progress": False,
+        }
+        for p in plan.points
+    ]
+    assert "fused group" not in (
+        (sweep_dir / LOG_FILE).read_text() if (sweep_dir / LOG_FILE).exists() else ""
+    )
+    # the same grid on the simulator fuses (so the check above is not vacuous)
+    sim = _engine_plan({"seed": [0, 1, 2]}, _engine_base("sim", execution="batched"))
+    assert [len(t) for t in fusion_groups(sim.points)] == [3]
+
+
+def test_a_grid_axis_over_run_engine_sends_each_point_to_its_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flower = _fake_engine(monkeypatch, "flower")
+    sim = _fake_engine(monkeypatch, "sim")
+    plan = _engine_plan({"run.engine": ["sim", "flower"]}, _engine_base("sim"))
+    result = run_sweep(plan, sweep_dir=tmp_path / "s", jobs=1, progress=False)
+    assert [r.status for r in result.runs] == ["done", "done"]
+    assert [c["dir"] for c in sim] == [plan.points[0].dirname]
+    assert [c["dir"] for c in flower] == [plan.points[1].dirname]
+
+
+@pytest.mark.parametrize(
+    ("engine", "needle"),
+    [
+        ("flower-loopback", "run.engine='flower-loopback' cannot run in a run folder it is given"),
+        ("flwr", "run.engine='flwr': unknown engine 'flwr' (did you mean 'flower'?)"),
+    ],
+)
+def test_an_engine_that_cannot_run_a_sweep_point_is_refused_before_anything_is_created(
+    tmp_path: Path, engine: str, needle: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        _engine_plan({"seed": [0, 1]}, _engine_base(engine))
+    assert needle in str(err.value) and "grid point 0 (seed=0)" in str(err.value)
+    assert "\n" not in str(err.value)
+    # a plan made otherwise (the points' configs changed after planning): run_sweep refuses
+    # it before the sweep folder exists
+    plan = _engine_plan({"seed": [0, 1]}, _engine_base("sim"))
+    bad = plan.points[1].config.with_overrides([f"run.engine={engine}"])
+    plan.points[1] = dataclasses.replace(plan.points[1], config=bad)
+    with pytest.raises(ConfigError, match=r"grid point 1 \(seed=1\): run\.engine="):
+        run_sweep(plan, sweep_dir=tmp_path / "s", jobs=1, progress=False)
+    assert not (tmp_path / "s").exists()
+    # and the engine functions say the same without a sweep
+    with pytest.raises(ConfigError, match=r"run\.engine="):
+        in_dir_engine(bad)
+    with pytest.raises(ConfigError, match=r"run\.engine="):
+        run_engine_in_dir(bad, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_point_run_on_another_engine_is_not_reused(tmp_path: Path) -> None:
+    """A sweep folder whose point finished on the simulator (as every point did on main, whatever
+    its run.engine) is not this point's result on Flower: refused, naming both."""
+    plan = _engine_plan({"seed": [0]})
+    d = plan.points[0].run_dir(tmp_path / "s")
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(plan.points[0].config.to_yaml())
+    write_record(d, plan.points[0].config, engine="sim")
+    (d / "summary.json").write_text(json.dumps({"avg_acc": 0.5, "rounds": 2}))
+    with pytest.raises(ConfigError, match="run on the 'sim' engine, and this point has"):
+        run_sweep(plan, sweep_dir=tmp_path / "s", jobs=1, progress=False)
+
+
+def test_the_flower_engine_starts_afresh_or_resumes_in_a_given_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Flower in a given folder: a fresh start leaves nothing of an earlier attempt that a
+    Flower run would continue from (server checkpoints, the nodes' client state) and records
+    the folder as Flower's; a resume continues only a Flower run of this config."""
+    import protofl.engine.flower.run as flower_run
+
+    calls: list[tuple[Path, dict[str, Any]]] = []
+
+    def resume(run_dir: Path, **kwargs: Any) -> _Result:
+        calls.append((run_dir, kwargs))
+        return _Result(run_dir, {})
+
+    monkeypatch.setattr(flower_run, "resume_flower_simulation", resume)
+    config = ExperimentConfig.from_dict(_engine_base())
+    d = tmp_path / "run"
+    (d / "nodes" / "partition-0").mkdir(parents=True)
+    (d / "nodes" / "partition-0" / "state.pt").write_bytes(b"stale")
+    (d / "checkpoints.json").write_text("[]")
+    (d / "checkpoint-0001.pt").write_bytes(b"stale")
+    options = EngineOptions(progress=False, flower={"backend": "inline"}, home=tmp_path / "h")
+    run_engine_in_dir(config, d, options, resume=False)
+    assert not (d / "nodes").exists() and not list(d.glob("checkpoint*"))
+    assert read_record(d)["engine"] == "flower"  # type: ignore[index]
+    assert ExperimentConfig.from_yaml(d / "config.yaml").to_dict() == config.to_dict()
+    assert calls == [(d, {"home": tmp_path / "h", "progress": False, "backend": "inline"})]
+    run_engine_in_dir(config, d, options, resume=True)  # the Flower run it now is
+    assert len(calls) == 2
+    # a folder the simulator made, or one of another config, does not resume on Flower
+    sim_made = tmp_path / "sim"
+    sim_made.mkdir()
+    write_record(sim_made, config, engine="sim")
+    with pytest.raises(ConfigError, match=r"made by the 'sim' engine.*run\.engine='flower'"):
+        run_engine_in_dir(config, sim_made, options, resume=True)
+    other = config.with_overrides(["federation.lr=0.5"])
+    with pytest.raises(ConfigError, match=r"federation\.lr"):
+        run_engine_in_dir(other, d, options, resume=True)
+    assert len(calls) == 2
+
+
+def test_a_flower_sweep_point_runs_on_flower_and_resumes_there(tmp_path: Path) -> None:
+    """One real point on Flower (inline backend, no Ray; ~5 s): its folder is a Flower run
+    folder, and a point killed after round 1 resumes on Flower to the uninterrupted numbers."""
+    pytest.importorskip("flwr")
+    plan = _engine_plan({"seed": [0]})
+    sweep_dir = tmp_path / "s"
+
+    def sweep() -> Any:
+        return run_sweep(
+            plan,
+            sweep_dir=sweep_dir,
+            jobs=1,
+            home=tmp_path / "home",
+            progress=False,
+            flower={"backend": "inline"},
+        )
+
+    (run,) = sweep().runs
+    assert (run.status, run.action) == ("done", "ran"), run.error
+    d = sweep_dir / run.dir
+    assert read_record(d)["engine"] == "flower"  # type: ignore[index]
+    uninterrupted = json.loads((d / "summary.json").read_text())
+    assert uninterrupted["engine"] == "flower"
+    assert sorted(p.name for p in (d / "nodes").iterdir()) == ["partition-0", "partition-1"]
+
+    _stop_after_first_round(d)
+    (run,) = sweep().runs
+    assert (run.status, run.action, run.resumed_from) == ("done", "resumed", 1), run.error
+    resumed = json.loads((d / "summary.json").read_text())
+    assert resumed["engine"] == "flower"
+    for key in ("acc", "avg_acc"):
+        assert resumed[key] == uninterrupted[key], key
+    assert len((d / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_sweep_workers_register_the_drivers_diagnostic_hooks(tmp_path: Path) -> None:
+    """A point that asks for the membership diagnostic (run.mia_every) runs in a worker process
+    with the hook the driver registered (protofl.attacks; the engine never imports it)."""
+    from protofl.engine.hooks import hook_modules
+    from protofl.engine.rundir import DIAGNOSTICS, client_local_dir
+
+    assert "protofl.attacks.mia" in hook_modules()
+    path = _sweep_file(tmp_path, {"seed": [0, 1]})
+    plan = load_sweep(path, ["run.mia_every=1"])
+    result = run_sweep(plan, sweep_dir=tmp_path / "sweep", jobs=2, fuse=False, progress=False)
+    assert [r.status for r in result.runs] == ["done", "done"], [r.error for r in result.runs]
+    for p in plan.points:
+        local = client_local_dir(p.run_dir(tmp_path / "sweep")) / DIAGNOSTICS
+        rows = [json.loads(row) for row in local.read_text().splitlines()]
+        assert rows and all(row["mia"] for row in rows)

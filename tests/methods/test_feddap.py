@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from protofl.methods.checks import check_method
+from protofl.engine.method_checks import check_method
 from protofl.methods.feddap import cpcl_loss, domain_prototypes, dpa_loss, fusion_weights
 from tests.methods.helpers import (
     LOG1P_E2,

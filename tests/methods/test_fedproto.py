@@ -58,7 +58,7 @@ def test_prototype_evaluation_uses_nearest_global_prototype() -> None:
     assert pred.tolist() == [0, 1]
 
 
-# every registered method x mechanism: tests/test_methods_checks.py
+# every registered method x mechanism: tests/engine/test_method_checks.py
 
 
 # ----- share_weights: FedProto "with parameter averaging" (FedDAP Sec. 4.1) ----------------------
@@ -81,10 +81,11 @@ def test_share_weights_turns_weight_averaging_on() -> None:
 
 
 def test_weight_averaged_run_differs_from_the_personalised_one() -> None:
-    from protofl.methods.checks import _run, tiny_config
+    from protofl.engine.method_checks import run_tiny
+    from protofl.methods.checks import tiny_config
 
     def run(share: bool) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
-        sim, hist = _run(
+        sim, hist = run_tiny(
             tiny_config(
                 "fedproto", "none", {"share_weights": share}, rounds=2, clients_per_domain=2
             )
@@ -105,6 +106,6 @@ def test_weight_averaged_run_differs_from_the_personalised_one() -> None:
 
 
 def test_weight_averaged_fedproto_passes_the_conformance_suite() -> None:
-    from protofl.methods.checks import check_method
+    from protofl.engine.method_checks import check_method
 
     check_method("fedproto", "igpp", {"share_weights": True})

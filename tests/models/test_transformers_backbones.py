@@ -204,7 +204,7 @@ def test_import_without_transformers() -> None:
         "from protofl.models.backbones import BACKBONE_REGISTRY, create_backbone\n"
         "assert 'vit_small' in BACKBONE_REGISTRY and 'minilm' in BACKBONE_REGISTRY\n"
         "try:\n    create_backbone('vit_random_micro', 24)\n"
-        "except ImportError as e:\n    assert \"[text]'\" in str(e), e\n"
+        'except ImportError as e:\n    assert "[text]\'" in str(e), e\n'
         "else:\n    raise SystemExit('no ImportError')\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}

@@ -42,7 +42,7 @@ def test_the_facade_releases_exactly_what_the_engine_releases(
         for key in ("prototypes", "classes", "counts", "sensitivity", "noise_std"):
             assert torch.equal(getattr(mine, key), getattr(engine, key)), key
         assert mine.events == engine.events
-        assert privacy.epsilon_spent() == pytest.approx(c.ledger.epsilon_spent())
+        assert privacy.epsilon_spent() == pytest.approx(c.privacy.ledger.epsilon_spent())
 
 
 def test_budget_state_dcr_and_noise_key() -> None:

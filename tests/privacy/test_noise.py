@@ -112,10 +112,10 @@ def test_secret_runs_differ_only_in_the_noise(tmp_path: Path) -> None:
         assert torch.equal(ca.train_gen.get_state(), cb.train_gen.get_state())
         for pa, pb in zip(ca.model.parameters(), cb.model.parameters()):
             assert torch.equal(pa, pb)
-        assert ca.noise_gen.normal(4, "t").tolist() != cb.noise_gen.normal(4, "t").tolist()
+        assert ca.privacy.key.normal(4, "t").tolist() != cb.privacy.key.normal(4, "t").tolist()
     derived = config.with_overrides(["privacy.noise_seed=derived"])
     x, y = Simulation(derived, data), Simulation(derived, data)
-    assert x.clients[0].noise_gen.state_dict() == y.clients[0].noise_gen.state_dict()
+    assert x.clients[0].privacy.key.state_dict() == y.clients[0].privacy.key.state_dict()
 
 
 def test_a_deployment_refuses_a_derived_key_unless_the_node_opts_out() -> None:

@@ -8,6 +8,9 @@
   estimate beside it).
 * :func:`load_run` / :func:`rebuild_clients`: a finished run's releases and feature paths.
 * :func:`add_attack_parsers`: the ``attack`` and ``audit`` sub-commands.
+
+Importing the package registers the engine's ``mia`` diagnostic hook (``run.mia_every``, see
+:mod:`protofl.engine.hooks`); :mod:`protofl.api` and the ``protofl`` command import it.
 """
 
 from protofl.attacks.artifacts import load_run, rebuild_clients

@@ -19,7 +19,7 @@ A release of round r was made with the model at the start of round r.  ``artifac
 the *final* models (after the last round, one local training phase past the last release), so the
 attacks use, in this order: for round 1 the seeded initial model (rebuilt exactly as the engine
 builds it), a per-round checkpoint ``checkpoint-<r-1>.pt`` when the run kept it (the simulator
-keeps ``federation.keep_checkpoints``, default 1; Flower the last two), else the final model (an
+and the Flower server keep ``federation.keep_checkpoints``, default 1), else the final model (an
 approximation, reported as such in ``feature_path``).
 """
 

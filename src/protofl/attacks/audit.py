@@ -749,7 +749,7 @@ def audit_mechanism(
     }
     started = time.perf_counter()
     threads = torch.get_num_threads()
-    from protofl.report.progress import note
+    from protofl.progress import note
 
     for m in modes:
         t0 = time.perf_counter()

@@ -78,7 +78,7 @@ def _cmd_attack(args: argparse.Namespace) -> int:
     clients = [args.client] if args.client else None
     if args.round is not None and args.round < 1:
         raise ValueError(f"--round={args.round} is out of range; allowed: integers >= 1")
-    from protofl.report.progress import progress_notes, step
+    from protofl.progress import progress_notes, step
 
     with progress_notes(True), step(f"{args.attack} attack on {args.run_dir}"):
         result, columns, out_file = _attack(args, clients)
@@ -142,7 +142,7 @@ def _print_attack(
 
 def _cmd_audit(args: argparse.Namespace) -> int:
     from protofl.attacks.audit import audit_mechanism
-    from protofl.report.progress import progress_notes
+    from protofl.progress import progress_notes
 
     with progress_notes(True), _ticker("audit", args.mode):
         result = _audit(args, audit_mechanism)
@@ -153,7 +153,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 def _ticker(what: str, mode: str, every: float = 5.0) -> Iterator[None]:
     """A line on stderr every ``every`` seconds while a long step runs (the audit's release
     mode runs for tens of seconds after its first line)."""
-    from protofl.report.progress import note
+    from protofl.progress import note
 
     done = threading.Event()
     t0 = time.perf_counter()

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from sklearn.metrics import precision_recall_curve, roc_auc_score, roc_curve
 
+from protofl.engine.hooks import DIAGNOSTIC_HOOKS
 from protofl.seeding import Stream, derive_seed
 
 MAX_PER_CLASS = 800
@@ -293,7 +294,7 @@ def calibrated_scores(
 
 
 # --------------------------------------------------------------------------------------------
-# the engine's per-round diagnostic (the runner wires it in as an upload hook)
+# the engine's per-round diagnostic (registered as its ``mia`` upload hook)
 # --------------------------------------------------------------------------------------------
 class MembershipDiagnostic:
     """An upload hook (``Simulation(upload_hooks=...)``): the paper's audit (VPDR App. E.6.2)
@@ -321,10 +322,20 @@ class MembershipDiagnostic:
         )
 
 
+def membership_diagnostic(config: Any) -> MembershipDiagnostic | None:
+    """The membership diagnostic ``config.run.mia_every`` asks for, or None (registered as the
+    engine's ``mia`` diagnostic hook)."""
+    every = int(config.run.mia_every)
+    return MembershipDiagnostic(every) if every else None
+
+
 def diagnostics_for(config: Any) -> list[MembershipDiagnostic]:
     """The upload hooks ``config.run`` asks for (``mia_every``)."""
-    every = int(config.run.mia_every)
-    return [MembershipDiagnostic(every)] if every else []
+    hook = membership_diagnostic(config)
+    return [hook] if hook is not None else []
+
+
+DIAGNOSTIC_HOOKS.add("mia", membership_diagnostic)
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import logging
 import pickle
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -166,17 +167,57 @@ def _finish(
     return MultiDomainDataset(name, classes, (dom,))
 
 
-def load_cifar10(home: Path, root: str | None = None, **options: Any) -> MultiDomainDataset:
-    """CIFAR-10 as one domain ``cifar10``."""
+CIFAR10_TRAIN: tuple[str, ...] = tuple(f"data_batch_{i}" for i in range(1, 6))
+
+
+def _cifar10_files(root: str | None, options: Mapping[str, Any]) -> tuple[int | None, Path]:
+    """CIFAR-10's options and batch folder, every batch there (nothing read); fails naming the
+    first missing file or folder."""
     check_options("cifar10", options, CIFAR_OPTIONS)
     size = option_image_size("cifar10", options.get("image_size"), None)
     base = resolve_root("cifar10", root, CIFAR_ENV, CIFAR_LAYOUT, CIFAR_DISTRIBUTED)
     folder = _folder(base, ("cifar-10-batches-py",), "test_batch")
+    for name in CIFAR10_TRAIN:
+        if not (folder / name).is_file():
+            raise DataFileError(
+                f"cifar10: {folder / name} is missing (expected data_batch_1 .. 5 and "
+                f"test_batch in {folder}; batches.meta is optional)"
+            )
+    return size, folder
+
+
+def _cifar100_files(root: str | None, options: Mapping[str, Any]) -> tuple[int | None, Path]:
+    """CIFAR-100's options and folder, ``train``, ``test`` and ``meta`` there (nothing read)."""
+    check_options("cifar100", options, CIFAR_OPTIONS)
+    size = option_image_size("cifar100", options.get("image_size"), None)
+    base = resolve_root("cifar100", root, CIFAR_ENV, CIFAR_LAYOUT, CIFAR_DISTRIBUTED)
+    folder = _folder(base, ("cifar-100-python",), "test")
+    for name, why in (("train", ""), ("test", ""), ("meta", ", which names the 100 classes")):
+        if not (folder / name).is_file():
+            raise DataFileError(
+                f"cifar100: {folder / name} is missing (expected train, test and meta{why} in "
+                f"{folder})"
+            )
+    return size, folder
+
+
+def preflight_cifar10(root: str | None, options: Mapping[str, Any]) -> None:
+    """The options, the root and every CIFAR-10 batch file, checked without reading one
+    (before a run folder is made)."""
+    _cifar10_files(root, options)
+
+
+def preflight_cifar100(root: str | None, options: Mapping[str, Any]) -> None:
+    """The options, the root and CIFAR-100's three files, checked without reading one."""
+    _cifar100_files(root, options)
+
+
+def load_cifar10(home: Path, root: str | None = None, **options: Any) -> MultiDomainDataset:
+    """CIFAR-10 as one domain ``cifar10``."""
+    size, folder = _cifar10_files(root, options)
     parts: list[tuple[np.ndarray, np.ndarray]] = []
-    for i in range(1, 6):
-        path = folder / f"data_batch_{i}"
-        if not path.is_file():
-            raise DataFileError(f"cifar10: {path} is missing (expected data_batch_1 .. 5)")
+    for name in CIFAR10_TRAIN:
+        path = folder / name
         parts.append(_images_labels(read_batch(path), "labels", path))
     test = folder / "test_batch"
     xte, yte = _images_labels(read_batch(test), "labels", test)
@@ -195,19 +236,12 @@ def load_cifar10(home: Path, root: str | None = None, **options: Any) -> MultiDo
 
 def load_cifar100(home: Path, root: str | None = None, **options: Any) -> MultiDomainDataset:
     """CIFAR-100 (fine labels) as one domain ``cifar100``."""
-    check_options("cifar100", options, CIFAR_OPTIONS)
-    size = option_image_size("cifar100", options.get("image_size"), None)
-    base = resolve_root("cifar100", root, CIFAR_ENV, CIFAR_LAYOUT, CIFAR_DISTRIBUTED)
-    folder = _folder(base, ("cifar-100-python",), "test")
+    size, folder = _cifar100_files(root, options)
     arrays: list[np.ndarray] = []
     for split in ("train", "test"):
         path = folder / split
-        if not path.is_file():
-            raise DataFileError(f"cifar100: {path} is missing")
         arrays.extend(_images_labels(read_batch(path), "fine_labels", path))
     meta = folder / "meta"
-    if not meta.is_file():
-        raise DataFileError(f"cifar100: {meta} is missing (it names the 100 classes)")
     classes = _names(read_batch(meta), "fine_label_names", meta)
     return _finish("cifar100", classes, arrays, size, f"CIFAR-100 python batches in {folder}")
 
@@ -223,9 +257,23 @@ def _available(marker: str, names: tuple[str, ...]) -> Any:
     return lambda home: env_root_available(CIFAR_ENV, check)
 
 
-for _name, _loader, _sub, _marker, _desc in (
-    ("cifar10", load_cifar10, "cifar-10-batches-py", "test_batch", "CIFAR-10: 10 classes"),
-    ("cifar100", load_cifar100, "cifar-100-python", "test", "CIFAR-100: 100 fine classes"),
+for _name, _loader, _preflight, _sub, _marker, _desc in (
+    (
+        "cifar10",
+        load_cifar10,
+        preflight_cifar10,
+        "cifar-10-batches-py",
+        "test_batch",
+        "CIFAR-10: 10 classes",
+    ),
+    (
+        "cifar100",
+        load_cifar100,
+        preflight_cifar100,
+        "cifar-100-python",
+        "test",
+        "CIFAR-100: 100 fine classes",
+    ),
 ):
     DATASET_REGISTRY.add(
         _name,
@@ -236,7 +284,16 @@ for _name, _loader, _sub, _marker, _desc in (
             how_to_get=f"{CIFAR_DISTRIBUTED}; set {CIFAR_ENV} or data.root. Layout:\n"
             + CIFAR_LAYOUT.rstrip(),
             is_available=_available(_marker, (_sub,)),
+            preflight=_preflight,
         ),
     )
 
-__all__ = ["CIFAR10_CLASSES", "CIFAR_ENV", "load_cifar10", "load_cifar100", "read_batch"]
+__all__ = [
+    "CIFAR10_CLASSES",
+    "CIFAR_ENV",
+    "load_cifar10",
+    "load_cifar100",
+    "preflight_cifar10",
+    "preflight_cifar100",
+    "read_batch",
+]

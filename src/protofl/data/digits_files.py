@@ -33,10 +33,11 @@ Images are kept at their native size (the backbone resizes when it encodes): sto
 from __future__ import annotations
 
 import bz2
+import importlib.util
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -47,6 +48,7 @@ from protofl.data.base import (
     DomainSplit,
     MultiDomainDataset,
 )
+from protofl.data.cache import protofl_home
 from protofl.data.imagefolder import (
     DataFileError,
     DatasetRootError,
@@ -64,7 +66,13 @@ from protofl.data.imagefolder import (
     resolve_root,
     scan_class_folders,
 )
-from protofl.data.mnist import MNIST_FILES, MnistUnavailableError, ensure_mnist_files, read_idx
+from protofl.data.mnist import (
+    MNIST_FILES,
+    MnistUnavailableError,
+    candidate_dirs,
+    ensure_mnist_files,
+    read_idx,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,26 +139,46 @@ def _missing(domain: str, root: Path, wanted: str, searched: list[Path]) -> Data
 # ---------------------------------------------------------------- MNIST
 
 
+MNIST_DIRS: tuple[str, ...] = ("MNIST/raw", "mnist/raw", "MNIST", "mnist")
+
+
+def _idx_files(folder: Path) -> dict[str, Path] | None:
+    """The four MNIST IDX files in ``folder`` (any accepted name), or None when one is missing."""
+    found: dict[str, Path] = {}
+    for f in MNIST_FILES:
+        for name in f.names:
+            if (folder / name).is_file():
+                found[f.key] = folder / name
+                break
+        else:
+            return None
+    return found
+
+
+def _find_mnist(root: Path) -> tuple[Path, dict[str, Path]] | None:
+    """The first folder under the root holding the four MNIST IDX files, and those files."""
+    for folder in _dirs(root, MNIST_DIRS):
+        found = _idx_files(folder)
+        if found is not None:
+            return folder, found
+    return None
+
+
 def read_mnist(root: Path, home: Path) -> tuple[Arrays, str]:
     """MNIST from IDX files under the root, else protofl's verified cache (no download)."""
-    searched = _dirs(root, ("MNIST/raw", "mnist/raw", "MNIST", "mnist"))
-    for folder in searched:
-        found: dict[str, Path] = {}
-        for f in MNIST_FILES:
-            for name in f.names:
-                if (folder / name).is_file():
-                    found[f.key] = folder / name
-                    break
-        if len(found) == len(MNIST_FILES):
-            arrays = {k: read_idx(p) for k, p in found.items()}
-            where = str(folder)
-            break
+    hit = _find_mnist(root)
+    if hit is not None:
+        arrays = {k: read_idx(p) for k, p in hit[1].items()}
+        where = str(hit[0])
     else:
         try:
             cache = ensure_mnist_files(home, None, allow_fetch=False)
         except MnistUnavailableError:
             raise _missing(
-                "mnist", root, "the four MNIST IDX files", [*searched, home / "raw" / "mnist"]
+                "mnist",
+                root,
+                "the four MNIST IDX files",
+                [*_dirs(root, MNIST_DIRS), home / "raw" / "mnist"],
             ) from None
         arrays = {f.key: read_idx(cache / f.dotted) for f in MNIST_FILES}
         where = f"{cache} (protofl's verified MNIST cache)"
@@ -234,20 +262,29 @@ def read_usps_h5(path: Path) -> Arrays:
     return out[0], out[1], out[2], out[3]
 
 
-def read_usps(root: Path) -> tuple[Arrays, str]:
-    """USPS from usps.bz2 + usps.t.bz2 (or unpacked), else usps.h5."""
+def _find_usps(root: Path) -> tuple[Path, Path | None]:
+    """USPS's libsvm train and test files, or its .h5 file and None; fails naming the folders
+    searched."""
     searched = _dirs(root, ("USPS", "usps"))
     for folder in searched:
         for train_name, test_name in (("usps.bz2", "usps.t.bz2"), ("usps", "usps.t")):
             tr, te = folder / train_name, folder / test_name
             if tr.is_file() and te.is_file():
-                xtr, ytr = parse_usps_libsvm(_read_maybe_bz2(tr), str(tr))
-                xte, yte = parse_usps_libsvm(_read_maybe_bz2(te), str(te))
-                return (xtr, ytr, xte, yte), f"real: USPS libsvm files in {folder}; official split"
+                return tr, te
         h5 = folder / "usps.h5"
         if h5.is_file():
-            return read_usps_h5(h5), f"real: USPS {h5}; official split"
+            return h5, None
     raise _missing("usps", root, "usps.bz2 + usps.t.bz2 (or usps.h5)", searched)
+
+
+def read_usps(root: Path) -> tuple[Arrays, str]:
+    """USPS from usps.bz2 + usps.t.bz2 (or unpacked), else usps.h5."""
+    tr, te = _find_usps(root)
+    if te is None:
+        return read_usps_h5(tr), f"real: USPS {tr}; official split"
+    xtr, ytr = parse_usps_libsvm(_read_maybe_bz2(tr), str(tr))
+    xte, yte = parse_usps_libsvm(_read_maybe_bz2(te), str(te))
+    return (xtr, ytr, xte, yte), f"real: USPS libsvm files in {tr.parent}; official split"
 
 
 # ---------------------------------------------------------------- SVHN and SynthDigits .mat
@@ -273,16 +310,22 @@ def read_digit_mat(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(x.transpose(3, 0, 1, 2), dtype=np.uint8), y
 
 
-def read_svhn(root: Path) -> tuple[Arrays, str]:
-    """SVHN cropped digits (format 2)."""
+def _find_svhn(root: Path) -> tuple[Path, Path]:
+    """SVHN's train and test .mat files; fails naming the folders searched."""
     searched = _dirs(root, ("SVHN", "svhn"))
     for folder in searched:
         tr, te = folder / "train_32x32.mat", folder / "test_32x32.mat"
         if tr.is_file() and te.is_file():
-            xtr, ytr = read_digit_mat(tr)
-            xte, yte = read_digit_mat(te)
-            return (xtr, ytr, xte, yte), f"real: SVHN {tr.name}/{te.name} in {folder}"
+            return tr, te
     raise _missing("svhn", root, "train_32x32.mat + test_32x32.mat", searched)
+
+
+def read_svhn(root: Path) -> tuple[Arrays, str]:
+    """SVHN cropped digits (format 2)."""
+    tr, te = _find_svhn(root)
+    xtr, ytr = read_digit_mat(tr)
+    xte, yte = read_digit_mat(te)
+    return (xtr, ytr, xte, yte), f"real: SVHN {tr.name}/{te.name} in {tr.parent}"
 
 
 # ---------------------------------------------------------------- folder domains
@@ -298,8 +341,9 @@ def _folder_split(
     return split.images, split.labels
 
 
-def read_syn(root: Path, size: int, skips: SkipLog) -> tuple[Arrays, str]:
-    """SynthDigits: RethinkFL folders, VPDR folders, or Ganin's .mat files."""
+def _find_syn(root: Path) -> tuple[Path, Path, bool]:
+    """SynthDigits' train and test folders (True) or .mat files (False); fails naming the
+    folders searched."""
     pairs = (("syn", "train", "val"), ("synthetic_digits", "imgs_train", "imgs_valid"))
     searched: list[Path] = []
     for parent_name, tr_name, te_name in pairs:
@@ -310,16 +354,12 @@ def read_syn(root: Path, size: int, skips: SkipLog) -> tuple[Arrays, str]:
         tr, te = find_child(parent, [tr_name]), find_child(parent, [te_name])
         searched.append(parent)
         if tr is not None and te is not None:
-            xtr, ytr = _folder_split(tr, "syn", size, skips)
-            xte, yte = _folder_split(te, "syn", size, skips)
-            return (xtr, ytr, xte, yte), f"synthetic: SynthDigits folders {tr} / {te}"
+            return tr, te, True
     mat_dirs = _dirs(root, ("SynthDigits", "synth_digits", "syn", "synthetic_digits"))
     for folder in mat_dirs:
         tr_m, te_m = folder / "synth_train_32x32.mat", folder / "synth_test_32x32.mat"
         if tr_m.is_file() and te_m.is_file():
-            xtr, ytr = read_digit_mat(tr_m)
-            xte, yte = read_digit_mat(te_m)
-            return (xtr, ytr, xte, yte), f"synthetic: SynthDigits {tr_m.name}/{te_m.name}"
+            return tr_m, te_m, False
     raise _missing(
         "syn",
         root,
@@ -327,6 +367,18 @@ def read_syn(root: Path, size: int, skips: SkipLog) -> tuple[Arrays, str]:
         "synth_train_32x32.mat + synth_test_32x32.mat",
         searched + mat_dirs,
     )
+
+
+def read_syn(root: Path, size: int, skips: SkipLog) -> tuple[Arrays, str]:
+    """SynthDigits: RethinkFL folders, VPDR folders, or Ganin's .mat files."""
+    tr, te, folders = _find_syn(root)
+    if folders:
+        xtr, ytr = _folder_split(tr, "syn", size, skips)
+        xte, yte = _folder_split(te, "syn", size, skips)
+        return (xtr, ytr, xte, yte), f"synthetic: SynthDigits folders {tr} / {te}"
+    xtr, ytr = read_digit_mat(tr)
+    xte, yte = read_digit_mat(te)
+    return (xtr, ytr, xte, yte), f"synthetic: SynthDigits {tr.name}/{te.name}"
 
 
 def _mnistm_listed(
@@ -350,24 +402,37 @@ def _mnistm_listed(
     return split.images, split.labels
 
 
-def read_mnistm(root: Path, size: int, skips: SkipLog) -> tuple[Arrays, str]:
-    """MNIST-M: the original folders + label lists, or class folders."""
+def _find_mnistm(root: Path) -> tuple[Path, bool]:
+    """The MNIST-M folder and whether it holds the original folders + label lists (True) or
+    train/ and test/ class folders (False); fails naming the folders searched."""
     searched = _dirs(root, ("mnist_m", "mnistm", "MNIST-M", "mnist-m"))
     for folder in searched:
         tr, te = folder / "mnist_m_train", folder / "mnist_m_test"
         trl, tel = folder / "mnist_m_train_labels.txt", folder / "mnist_m_test_labels.txt"
         if tr.is_dir() and te.is_dir() and trl.is_file() and tel.is_file():
-            xtr, ytr = _mnistm_listed(tr, trl, size, skips)
-            xte, yte = _mnistm_listed(te, tel, size, skips)
-            return (xtr, ytr, xte, yte), f"synthetic: MNIST-M folders in {folder}"
+            return folder, True
         trc, tec = find_child(folder, ["train"]), find_child(folder, ["test"])
         if folder != root and trc is not None and tec is not None:
-            xtr, ytr = _folder_split(trc, "mnistm", size, skips)
-            xte, yte = _folder_split(tec, "mnistm", size, skips)
-            return (xtr, ytr, xte, yte), f"synthetic: MNIST-M class folders in {folder}"
+            return folder, False
     raise _missing(
         "mnistm", root, "mnist_m/mnist_m_train + mnist_m_train_labels.txt (and _test)", searched
     )
+
+
+def read_mnistm(root: Path, size: int, skips: SkipLog) -> tuple[Arrays, str]:
+    """MNIST-M: the original folders + label lists, or class folders."""
+    folder, listed = _find_mnistm(root)
+    if listed:
+        tr, trl = folder / "mnist_m_train", folder / "mnist_m_train_labels.txt"
+        te, tel = folder / "mnist_m_test", folder / "mnist_m_test_labels.txt"
+        xtr, ytr = _mnistm_listed(tr, trl, size, skips)
+        xte, yte = _mnistm_listed(te, tel, size, skips)
+        return (xtr, ytr, xte, yte), f"synthetic: MNIST-M folders in {folder}"
+    trc, tec = find_child(folder, ["train"]), find_child(folder, ["test"])
+    assert trc is not None and tec is not None
+    xtr, ytr = _folder_split(trc, "mnistm", size, skips)
+    xte, yte = _folder_split(tec, "mnistm", size, skips)
+    return (xtr, ytr, xte, yte), f"synthetic: MNIST-M class folders in {folder}"
 
 
 # ---------------------------------------------------------------- loader
@@ -386,14 +451,66 @@ def _fit(x: np.ndarray, native: int, size: int | None) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
-def load_digits(home: Path, root: str | None = None, **options: Any) -> MultiDomainDataset:
-    """Load the Digits benchmark from files (see the module docstring)."""
+class _Options(NamedTuple):
+    size: int | None
+    skip: bool
+    domains: tuple[str, ...]
+    holdout: str | None
+
+
+def _options(options: Mapping[str, Any]) -> _Options:
     check_options("digits", options, DIGITS_OPTIONS)
     size = option_image_size("digits", options.get("image_size"), None)
     option_protocol("digits", options.get("protocol"), ("official",))
     skip = option_bool("digits", "skip_corrupt", options.get("skip_corrupt", False))
     domains = option_domains("digits", options.get("domains") or DIGITS_DOMAINS, ALL_DOMAINS)
     holdout = option_holdout("digits", options.get("holdout_domain"), domains)
+    return _Options(size, skip, domains, holdout)
+
+
+def _mnist_cached_elsewhere() -> bool:
+    """Whether MNIST's fallback would find the four files without the root: in protofl's
+    default cache (``$PROTOFL_HOME/raw/mnist``, the home a run uses unless given another) or in
+    ``$PROTOFL_MNIST_DIR``.  Only the names are looked at: the loader checks the digests."""
+    cache = protofl_home() / "raw" / "mnist"
+    if all((cache / f.dotted).is_file() for f in MNIST_FILES):
+        return True
+    return any(_idx_files(folder) is not None for folder in candidate_dirs(None))
+
+
+def preflight_digits(root: str | None, options: Mapping[str, Any]) -> None:
+    """The options, the root and the files of every selected domain (the table of the module
+    docstring), checked without reading one (before a run folder is made); fails naming the
+    domain, what was looked for and the folders searched."""
+    opts = _options(options)
+    base = resolve_root("digits", root, DIGITS_ENV, DIGITS_LAYOUT, DIGITS_DISTRIBUTED)
+    for d in opts.domains:
+        if d == "mnist":
+            if _find_mnist(base) is None and not _mnist_cached_elsewhere():
+                raise _missing(
+                    "mnist",
+                    base,
+                    "the four MNIST IDX files",
+                    [*_dirs(base, MNIST_DIRS), protofl_home() / "raw" / "mnist"],
+                )
+        elif d == "usps":
+            train, test = _find_usps(base)
+            if test is None and importlib.util.find_spec("h5py") is None:
+                raise DataFileError(
+                    f"{train}: reading USPS from .h5 needs the h5py package (pip install h5py), "
+                    "or use usps.bz2 + usps.t.bz2"
+                )
+        elif d == "svhn":
+            _find_svhn(base)
+        elif d == "syn":
+            _find_syn(base)
+        else:
+            _find_mnistm(base)
+
+
+def load_digits(home: Path, root: str | None = None, **options: Any) -> MultiDomainDataset:
+    """Load the Digits benchmark from files (see the module docstring)."""
+    size, skip, domains, holdout = _options(options)
     base = resolve_root("digits", root, DIGITS_ENV, DIGITS_LAYOUT, DIGITS_DISTRIBUTED)
     skips = SkipLog("digits", skip)
     readers: dict[str, Callable[[], tuple[Arrays, str]]] = {
@@ -440,6 +557,7 @@ DATASET_REGISTRY.add(
         how_to_get=f"{DIGITS_DISTRIBUTED}; set {DIGITS_ENV} or data.root. Layout:\n"
         + DIGITS_LAYOUT.rstrip(),
         is_available=_available,
+        preflight=preflight_digits,
     ),
 )
 
@@ -450,5 +568,6 @@ __all__ = [
     "DIGITS_ENV",
     "load_digits",
     "parse_usps_libsvm",
+    "preflight_digits",
     "read_digit_mat",
 ]

@@ -19,8 +19,9 @@ Without ``protocol`` and without the lists, ``vpdr`` is used with a warning.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from protofl.data.base import DATASET_REGISTRY, DatasetInfo, MultiDomainDataset
 from protofl.data.imagefolder import (
@@ -29,6 +30,7 @@ from protofl.data.imagefolder import (
     DatasetRootError,
     DomainItems,
     FolderBenchmark,
+    FolderOptions,
     SkipLog,
     build_domains,
     env_root_available,
@@ -165,16 +167,57 @@ def _list_items(
     return out
 
 
-def load_domainnet(home: Path, root: str | None = None, **options: Any) -> MultiDomainDataset:
-    """Load DomainNet (see the module docstring for classes, protocols and options)."""
-    size, protocol, skip, seed, domains, holdout = folder_options(
-        "domainnet", options, DOMAINNET_OPTIONS, DOMAINNET_DOMAINS
-    )
+class _Layout(NamedTuple):
+    """What a DomainNet root holds for the given options (checked without reading an image)."""
+
+    options: FolderOptions
+    base: Path
+    classes: tuple[str, ...]
+    split_dirs: list[Path]
+
+    def find_list(self, domain: str, kind: str) -> Path | None:
+        """``<domain>_<kind>.txt`` in the first split folder holding it."""
+        for folder in self.split_dirs:
+            if (folder / f"{domain}_{kind}.txt").is_file():
+                return folder / f"{domain}_{kind}.txt"
+        return None
+
+    def missing_lists(self) -> list[str]:
+        """The split lists of the selected domains that no split folder holds."""
+        return [
+            f"{d}_{k}.txt"
+            for d in self.options.domains
+            for k in ("train", "test")
+            if not self.find_list(d, k)
+        ]
+
+    def use_lists(self) -> bool:
+        """Whether the official lists are read: an explicit ``official`` without them fails
+        naming them; without ``protocol`` the fallback to ``vpdr`` is logged."""
+        protocol = self.options.protocol
+        return split_lists_or_vpdr(
+            "domainnet",
+            protocol,
+            protocol in (None, "official"),
+            self.missing_lists(),
+            self.split_dirs,
+            lists="split lists",
+            alternatives="'feddap' or 'vpdr'",
+            layout=DOMAINNET_LAYOUT,
+            distributed=DOMAINNET_DISTRIBUTED,
+            logger=log,
+        )
+
+
+def _layout(root: str | None, options: Mapping[str, Any]) -> _Layout:
+    """The options, the root, the folder holding the domains, the classes and the split
+    folders; fails naming what is missing."""
+    opts = folder_options("domainnet", options, DOMAINNET_OPTIONS, DOMAINNET_DOMAINS)
     root_path = resolve_root(
         "domainnet", root, DOMAINNET_ENV, DOMAINNET_LAYOUT, DOMAINNET_DISTRIBUTED
     )
     base = _FOLDERS.find_base(root_path)
-    classes = _classes_option(options.get("classes"), base, domains)
+    classes = _classes_option(options.get("classes"), base, opts.domains)
     split_dir = options.get("split_dir")
     if split_dir is not None:
         dirs = [Path(str(split_dir)).expanduser()]
@@ -182,27 +225,27 @@ def load_domainnet(home: Path, root: str | None = None, **options: Any) -> Multi
             raise DatasetRootError(f"domainnet: split_dir {split_dir} does not exist")
     else:
         dirs = [base, root_path] + [p for n in ("splits",) if (p := find_child(base, [n]))]
+    return _Layout(opts, base, classes, dirs)
+
+
+def preflight_domainnet(root: str | None, options: Mapping[str, Any]) -> None:
+    """The options, the root, every selected domain's folder and its selected class folders,
+    and (under an explicit ``protocol: official``) the split lists, checked without reading an
+    image (before a run folder is made)."""
+    layout = _layout(root, options)
+    if layout.options.protocol is not None:  # without one, missing lists are no error (vpdr)
+        layout.use_lists()
+    for d in layout.options.domains:
+        _check_classes_exist(layout.classes, _FOLDERS.domain_dir(layout.base, d))
+
+
+def load_domainnet(home: Path, root: str | None = None, **options: Any) -> MultiDomainDataset:
+    """Load DomainNet (see the module docstring for classes, protocols and options)."""
+    layout = _layout(root, options)
+    size, protocol, skip, seed, domains, holdout = layout.options
+    base, classes, find_list = layout.base, layout.classes, layout.find_list
     skips = SkipLog("domainnet", skip)
-
-    def find_list(d: str, kind: str) -> Path | None:
-        for folder in dirs:
-            if (folder / f"{d}_{kind}.txt").is_file():
-                return folder / f"{d}_{kind}.txt"
-        return None
-
-    missing = [f"{d}_{k}.txt" for d in domains for k in ("train", "test") if not find_list(d, k)]
-    use_lists = split_lists_or_vpdr(
-        "domainnet",
-        protocol,
-        protocol in (None, "official"),
-        missing,
-        dirs,
-        lists="split lists",
-        alternatives="'feddap' or 'vpdr'",
-        layout=DOMAINNET_LAYOUT,
-        distributed=DOMAINNET_DISTRIBUTED,
-        logger=log,
-    )
+    use_lists = layout.use_lists()
 
     items: list[DomainItems] = []
     for d in domains:
@@ -255,7 +298,14 @@ DATASET_REGISTRY.add(
         how_to_get=f"{DOMAINNET_DISTRIBUTED}; set {DOMAINNET_ENV} or data.root. Layout:\n"
         + DOMAINNET_LAYOUT.rstrip(),
         is_available=_available,
+        preflight=preflight_domainnet,
     ),
 )
 
-__all__ = ["DOMAINNET_DOMAINS", "DOMAINNET_ENV", "FEDDAP_CLASSES", "load_domainnet"]
+__all__ = [
+    "DOMAINNET_DOMAINS",
+    "DOMAINNET_ENV",
+    "FEDDAP_CLASSES",
+    "load_domainnet",
+    "preflight_domainnet",
+]

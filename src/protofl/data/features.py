@@ -208,7 +208,7 @@ def _encode(
     *,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    from protofl.report.progress import step
+    from protofl.progress import step
 
     dev = _device(device)
     with step(

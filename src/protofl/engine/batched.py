@@ -69,8 +69,8 @@ from protofl.models.client import ClientModel, ResidualAdapter
 from protofl.privacy.dcr import distillation, ema_, soft_clip
 
 if TYPE_CHECKING:
+    from protofl.engine.client import Client, Federation
     from protofl.engine.federated_data import ClientData
-    from protofl.engine.simulation import Client, Simulation
 
 log = logging.getLogger(__name__)
 
@@ -920,7 +920,7 @@ class BatchedTrainer:
 
     def __init__(
         self,
-        sim: Simulation,
+        sim: Federation,
         *,
         memory_budget: int | None = None,
         optimizer: str = "fused",

@@ -1,4 +1,4 @@
-"""Atomic, checksummed per-round checkpoints; the latest ``keep`` are kept (the simulator:
+"""Atomic, checksummed per-round checkpoints; the latest ``keep`` are kept (both engines:
 ``federation.keep_checkpoints``, default 1), a corrupt one is refused."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ log = logging.getLogger(__name__)
 
 INDEX = "checkpoints.json"
 KEEP = 2
-"""How many checkpoints a caller that names none keeps (the Flower server); the simulator keeps
-``federation.keep_checkpoints`` (default 1; 0: all)."""
+"""How many checkpoints a caller that names none keeps; both engines (the simulator and the
+Flower server) pass ``federation.keep_checkpoints`` (default 1; 0: all)."""
 CHUNK = 16 * 2**20
 """A checkpoint's digest is the sha256 of the sha256s of its CHUNK-byte pieces (``sha256_tree``
 in the index), so that the pieces are hashed on several cores, as they are written and when

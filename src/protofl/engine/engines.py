@@ -17,7 +17,11 @@ Every engine runs the same round (:mod:`protofl.engine.round`) and writes a run 
 module): a function ``(config, options) -> RunResult``, and, if it can continue its own run
 folders, ``resume(run_dir, options, extend)`` (``extend``: rounds added to a finished run,
 0 for a plain resume).  :func:`resume_run` continues a run folder on the engine that made it
-and on no other.
+and on no other.  An engine that can run a config in a folder it is given (a sweep point's,
+``<sweep>/<index>-<slug>``), starting it there or continuing it from its checkpoints, has
+``run_in_dir(config, run_dir, options, resume)``; :func:`run_engine_in_dir` dispatches on
+``run.engine`` and refuses, naming ``run.engine``, an engine without it (``flower-loopback``:
+its deployment writes its own run folders) before anything is created.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ class EngineOptions:
     out: str | Path | None = None
     progress: bool | None = None
     flower: dict[str, Any] = field(default_factory=dict)
+    home: Path | None = None
+    """The data and feature cache (``PROTOFL_HOME``); None: the default one."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,10 @@ class Engine:
     summary: str
     run: Callable[[ExperimentConfig, EngineOptions], EngineResult]
     resume: Callable[[Path, EngineOptions, int], EngineResult] | None = None
+    run_in_dir: Callable[[ExperimentConfig, Path, EngineOptions, bool], EngineResult] | None = None
+    """``(config, run_dir, options, resume)``: run ``config`` in ``run_dir`` (a sweep point's
+    folder): afresh, or with ``resume`` from its last checkpoint (the folder's run must be this
+    engine's and this config's); None: the engine only writes folders of its own making."""
 
     @property
     def resumable(self) -> bool:
@@ -85,29 +95,76 @@ def register_engine(engine: Engine) -> Engine:
 def _run_sim(config: ExperimentConfig, options: EngineOptions) -> EngineResult:
     from protofl.engine.runner import run_experiment
 
-    return run_experiment(config, out=options.out, progress=options.progress)
+    return run_experiment(config, out=options.out, home=options.home, progress=options.progress)
 
 
 def _resume_sim(run_dir: Path, options: EngineOptions, extend: int) -> EngineResult:
     from protofl.engine.runner import extend_experiment, resume_experiment
 
     if extend:
-        return extend_experiment(run_dir, extend, progress=options.progress)
-    return resume_experiment(run_dir, progress=options.progress)
+        return extend_experiment(run_dir, extend, home=options.home, progress=options.progress)
+    return resume_experiment(run_dir, home=options.home, progress=options.progress)
+
+
+def _sim_in_dir(
+    config: ExperimentConfig, run_dir: Path, options: EngineOptions, resume: bool
+) -> EngineResult:
+    from protofl.engine.runner import run_in_dir
+
+    return run_in_dir(config, run_dir, resume=resume, home=options.home, progress=options.progress)
 
 
 def _run_flower(config: ExperimentConfig, options: EngineOptions) -> EngineResult:
     from protofl.engine.flower.run import run_flower_simulation  # optional dependency
 
     out = options.out if options.out is not None else config.run.out_dir
-    return run_flower_simulation(config, out=out, progress=options.progress, **options.flower)
+    return run_flower_simulation(
+        config, out=out, home=options.home, progress=options.progress, **options.flower
+    )
 
 
 def _resume_flower(run_dir: Path, options: EngineOptions, extend: int) -> EngineResult:
     from protofl.engine.flower.run import resume_flower_simulation  # optional dependency
 
     return resume_flower_simulation(
-        run_dir, extend=extend, progress=options.progress, **options.flower
+        run_dir, extend=extend, home=options.home, progress=options.progress, **options.flower
+    )
+
+
+def _flower_in_dir(
+    config: ExperimentConfig, run_dir: Path, options: EngineOptions, resume: bool
+) -> EngineResult:
+    """A Flower run in ``run_dir``: resumed from its server checkpoint and its nodes' state
+    (``resume``), or started afresh there.  A fresh start first removes what an earlier attempt
+    left in the folder that a Flower run would pick up (server checkpoints; the simulated
+    nodes' client state under ``nodes/``, which a node would otherwise continue from), writes
+    config.yaml and the run record (engine ``flower``) and then runs as a resume from no
+    checkpoint: :func:`~protofl.engine.flower.run.resume_flower_simulation`, round 1 on."""
+    import shutil
+
+    from protofl.engine.flower.run import resume_flower_simulation  # optional dependency
+    from protofl.engine.rundir import check_resume, record_engine, write_record
+
+    if resume:
+        made_by = record_engine(run_dir)  # "sim" for a folder without a record
+        if made_by != "flower":
+            raise ConfigError(
+                f"{run_dir}: this run was made by the {made_by!r} engine and resumes only on "
+                "it, not with run.engine='flower'; start it anew in another folder"
+            )
+        check_resume(run_dir, config, engine="flower")  # an edited config is refused
+    else:
+        from protofl.engine.federated_data import preflight
+
+        preflight(config)  # a bad name, option or data root fails before the folder is touched
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in run_dir.glob("checkpoint*"):
+            stale.unlink()
+        shutil.rmtree(run_dir / "nodes", ignore_errors=True)
+        write_record(run_dir, config, engine="flower")
+    (run_dir / "config.yaml").write_text(config.to_yaml())
+    return resume_flower_simulation(
+        run_dir, home=options.home, progress=options.progress, **options.flower
     )
 
 
@@ -132,7 +189,13 @@ def _run_loopback(config: ExperimentConfig, options: EngineOptions) -> EngineRes
 
 
 register_engine(
-    Engine("sim", "the in-process simulator (sequential or batched clients)", _run_sim, _resume_sim)
+    Engine(
+        "sim",
+        "the in-process simulator (sequential or batched clients)",
+        _run_sim,
+        _resume_sim,
+        _sim_in_dir,
+    )
 )
 register_engine(
     Engine(
@@ -140,6 +203,7 @@ register_engine(
         "Flower's ServerApp/ClientApp (Ray runtime, or inline)",
         _run_flower,
         _resume_flower,
+        _flower_in_dir,
     )
 )
 register_engine(
@@ -159,6 +223,41 @@ def run_engine(config: ExperimentConfig, options: EngineOptions | None = None) -
 
     warn_mechanism_scope(config)
     return engine.run(config, options or EngineOptions())
+
+
+def in_dir_engine(config: ExperimentConfig) -> Engine:
+    """The engine ``run.engine`` names, if it can run in a given folder (a sweep point's);
+    else a one-line :class:`~protofl.errors.ConfigError` naming ``run.engine`` and the engines
+    that can (an unknown name fails too, with the valid ones)."""
+    name = config.run.engine
+    try:
+        engine = ENGINE_REGISTRY.get(name)
+    except ValueError as exc:
+        raise ConfigError(f"run.engine={name!r}: {exc}") from None
+    if engine.run_in_dir is None:
+        able = [n for n in ENGINE_REGISTRY.names() if ENGINE_REGISTRY.get(n).run_in_dir]
+        raise ConfigError(
+            f"run.engine={name!r} cannot run in a run folder it is given (a sweep point's): "
+            f"it writes folders of its own making; use run.engine={' or '.join(able)}"
+        )
+    return engine
+
+
+def run_engine_in_dir(
+    config: ExperimentConfig,
+    run_dir: str | Path,
+    options: EngineOptions | None = None,
+    *,
+    resume: bool = False,
+) -> EngineResult:
+    """Run ``config`` in ``run_dir`` on the engine ``run.engine`` names: afresh, or with
+    ``resume`` from the folder's last checkpoint (its run must be that engine's and that
+    config's).  An engine that cannot (:func:`in_dir_engine`) is refused before anything is
+    created.  Unlike :func:`run_engine`, no mechanism-scope warning: a sweep gives it once per
+    point, not once per attempt."""
+    engine = in_dir_engine(config)
+    assert engine.run_in_dir is not None  # in_dir_engine refuses the others
+    return engine.run_in_dir(config, Path(run_dir), options or EngineOptions(), resume)
 
 
 def resume_run(

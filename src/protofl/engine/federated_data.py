@@ -29,7 +29,7 @@ from protofl.errors import ConfigError
 from protofl.methods import create_method
 from protofl.models.backbones import FrozenBackbone, backbone_class, check_backbone_options
 from protofl.privacy import MECHANISM_REGISTRY
-from protofl.report.progress import note
+from protofl.progress import note
 from protofl.seeding import DATA_TAG
 
 log = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -40,11 +40,10 @@ import torch
 
 from protofl.config import ExperimentConfig
 from protofl.engine.batched import BatchedTrainer
-from protofl.engine.round import RoundMetrics, evaluation_plan, round_metrics
+from protofl.engine.round import RoundMetrics, run_round
 from protofl.engine.runner import RunResult, RunSession, log_scope, prepare_run_dir
 from protofl.engine.simulation import Client, Simulation
 from protofl.methods.objectives import GlobalState, Group, InputTransform, LocalObjective, Step
-from protofl.models.device import to_device
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +66,15 @@ class FusionUnavailable(RuntimeError):
 
 
 def fusion_key(config: ExperimentConfig) -> str | None:
-    """Configs with equal keys may run fused; None: this config never fuses (not batched).
+    """Configs with equal keys may run fused; None: this config never fuses (not batched, or
+    not run by the in-process engine: ``run.engine`` other than ``sim``).
 
     The key is the whole config except ``name``, ``seed`` and the privacy settings (mechanism,
     epsilon, delta, clip, noise seed, accountant, ...), which only the server step and the
     releases read; with DCR on, the DCR settings stay in (they train; the soft clip's radius
     ``privacy.clip`` is taken per client, so it may differ).
     """
-    if config.federation.execution != "batched":
+    if config.federation.execution != "batched" or config.run.engine != "sim":
         return None
     data = config.to_dict()
     data.pop("name", None)
@@ -588,71 +588,55 @@ def fusion_problem(sims: Sequence[Simulation], labels: Sequence[str]) -> str | N
 # one fused round
 # --------------------------------------------------------------------------------------------
 def fused_round(trainer: FusedTrainer, runs: Sequence[int]) -> dict[int, RoundMetrics]:
-    """One round of every run in ``runs`` (all at the same round number): the steps of
-    :meth:`Simulation.run_round` per run, with uploads, training and evaluation fused."""
-    t0 = time.perf_counter()
-    sims = trainer.sims
-    active = {r: sims[r].select_participants() for r in runs}
-    chosen = {r: [c for c, a in zip(sims[r].clients, active[r]) if a] for r in runs}
-    # uploads: one batched feature pass for the participants of every run
-    feature_runs = [
-        r for r in runs if sims[r].method.uses_prototypes and sims[r].method.default_upload_features
-    ]
-    feats = trainer.features_runs({r: chosen[r] for r in feature_runs})
-    uploads: dict[int, Any] = {}
-    for r in runs:
-        sim = sims[r]
-        with log_scope(trainer.run_dirs[r]):
-            if r in feature_runs:
-                uploads[r] = sim.upload(
-                    active[r],
-                    lambda cs, r=r: [feats[(r, c.data.client)] for c in cs],  # type: ignore[misc]
-                    vectorise=True,
-                )
-            else:
-                uploads[r] = sim.collect_uploads(active[r])
-    # the server step of every run
-    rejected: dict[int, Any] = {}
-    missing: dict[int, list[int]] = {}
-    for r in runs:
-        sim = sims[r]
-        with log_scope(trainer.run_dirs[r]):
-            accepted, rejected[r] = sim.validate(uploads[r])
-            sim.global_state = to_device(sim.method.aggregate(accepted, sim.round), sim.device)
-            missing[r] = sim.missing_classes(accepted)
-    losses = trainer.train_runs(chosen)
-    plans: dict[int, str] = {}
-    for r in runs:
-        sim = sims[r]
-        if sim.method.shares_weights and any(active[r]):
-            sim.average_weights(active[r])
-        plans[r] = evaluation_plan(sim.config.federation, sim.round)
-    evaluated = [r for r in runs if plans[r] != "none"]
-    accs = trainer.evaluate_runs({r: plans[r] == "sample" for r in evaluated})
-    out: dict[int, RoundMetrics] = {}
-    wall = time.perf_counter() - t0
-    for r in runs:
-        sim = sims[r]
-        plan = plans[r]
-        metrics = round_metrics(
-            round_number=sim.round + 1,
-            client_acc=accs.get(r, {}),
-            domain_of={c.data.name: c.data.domain_name for c in sim.clients},
-            losses=losses[r],
-            wall_s=wall,
-            privacy=sim.privacy_status(),
-            holdout_acc=sim.evaluate_holdout() if plan != "none" else None,
-            participants=[c.data.name for c, a in zip(sim.clients, active[r]) if a],
-            rejected=rejected[r],
-            feature_norms=sim.last_feature_norms,
-            mia=sim.last_mia,
-            missing=missing[r],
-            evaluation=plan,
-        )
-        sim.round += 1
-        sim.history.append(metrics)
-        out[r] = metrics
-    return out
+    """One round of every run in ``runs`` (all at the same round number): the round sequence
+    (:func:`protofl.engine.round.run_round`) with uploads, training and evaluation fused."""
+    sims = [trainer.sims[r] for r in runs]
+    return dict(zip(runs, run_round(sims, _FusedExecutor(trainer, list(runs)))))
+
+
+class _FusedExecutor:
+    """The client side of a fused round (:class:`~protofl.engine.round.RoundExecutor`): run
+    ``i`` of the round is the trainer's run ``runs[i]``; one batched feature pass, one training
+    and one evaluation for all of them."""
+
+    def __init__(self, trainer: FusedTrainer, runs: list[int]) -> None:
+        self.trainer = trainer
+        self.runs = runs
+
+    def upload(self, active: Mapping[int, list[bool]]) -> dict[int, list[Any]]:
+        sims = self.trainer.sims
+        chosen = {
+            r: [c for c, a in zip(sims[r].clients, active[i]) if a] for i, r in enumerate(self.runs)
+        }
+        feature_runs = [
+            r
+            for r in self.runs
+            if sims[r].method.uses_prototypes and sims[r].method.default_upload_features
+        ]
+        feats = self.trainer.features_runs({r: chosen[r] for r in feature_runs})
+        uploads: dict[int, list[Any]] = {}
+        for i, r in enumerate(self.runs):
+            with self.scope(i):
+                if r in feature_runs:
+                    uploads[i] = sims[r].upload(
+                        active[i],
+                        lambda cs, r=r: [feats[(r, c.data.client)] for c in cs],  # type: ignore[misc]
+                        vectorise=True,
+                    )
+                else:
+                    uploads[i] = sims[r].collect_uploads(active[i])
+        return uploads
+
+    def train(self, chosen: Mapping[int, list[Client]]) -> dict[int, list[float]]:
+        losses = self.trainer.train_runs({self.runs[i]: cs for i, cs in chosen.items()})
+        return {i: losses[r] for i, r in enumerate(self.runs)}
+
+    def evaluate(self, samples: Mapping[int, bool]) -> dict[int, dict[str, float]]:
+        accs = self.trainer.evaluate_runs({self.runs[i]: s for i, s in samples.items()})
+        return {i: accs[self.runs[i]] for i in samples}
+
+    def scope(self, run: int) -> AbstractContextManager[None]:
+        return log_scope(self.trainer.run_dirs[self.runs[run]])
 
 
 # --------------------------------------------------------------------------------------------

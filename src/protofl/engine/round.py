@@ -12,15 +12,22 @@ Everything the server does in that list is here, as functions of plain values (t
 supplies clients' names, domains, counts, ledgers and weights from wherever it holds them), so
 both engines draw the same participants for the same seed, average the same way and report the
 same metrics by construction.
+
+The sequence itself is :func:`run_round`, once for the in-process engines: the simulator runs it
+over its one run with its own executor (sequential or batched), a fused sweep over several runs
+with the fused executor (:mod:`protofl.engine.fused`).  The Flower strategy sends the same
+phases as messages and calls the same server-step functions.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -28,7 +35,11 @@ import torch
 from protofl.config import WEIGHT_RULES, FederationConfig
 from protofl.methods.base import Upload, WeightPlan
 from protofl.methods.validation import validate_upload
+from protofl.models.device import to_device
 from protofl.privacy.ledger import PrivacyLedger
+
+if TYPE_CHECKING:
+    from protofl.engine.client import Client
 
 log = logging.getLogger(__name__)
 
@@ -316,3 +327,107 @@ def privacy_status(
     if partition_overlaps:  # local-only diagnostic (computed on private data, never uploaded)
         status["partition_overlap"] = float(np.mean(list(partition_overlaps)))
     return status
+
+
+# ----- the round sequence of the in-process engines ---------------------------------------------
+class RoundRun(Protocol):
+    """What :func:`run_round` reads and advances of one run (a
+    :class:`~protofl.engine.simulation.Simulation` is one)."""
+
+    config: Any
+    method: Any
+    clients: list[Client]
+    round: int
+    history: list[RoundMetrics]
+    global_state: Any
+    device: torch.device
+    last_feature_norms: dict[str, dict[str, float]]
+    last_mia: dict[str, dict[str, float]]
+
+    def select_participants(self) -> list[bool]: ...
+
+    def validate(self, uploads: list[Upload]) -> tuple[list[Upload], list[dict[str, str]]]: ...
+
+    def missing_classes(self, accepted: list[Upload]) -> list[int]: ...
+
+    def average_weights(self, active: Sequence[bool] | None = None) -> None: ...
+
+    def evaluate_holdout(self, clients: Sequence[Client] | None = None) -> float | None: ...
+
+    def privacy_status(self) -> dict[str, Any]: ...
+
+    def offload_state(self, clients: Sequence[Client]) -> None: ...
+
+    def page_out(self, clients: Sequence[Client] | None = None) -> None: ...
+
+
+class RoundExecutor(Protocol):
+    """The client side of :func:`run_round` for runs ``0..R-1``: each run's releases (the
+    mechanism, ledgers and hooks as :meth:`Simulation.upload`), local training of the chosen
+    clients, and evaluation (``samples``: run -> evaluate on the fixed subsample)."""
+
+    def upload(self, active: Mapping[int, list[bool]]) -> dict[int, list[Upload]]: ...
+
+    def train(self, chosen: Mapping[int, list[Client]]) -> dict[int, list[float]]: ...
+
+    def evaluate(self, samples: Mapping[int, bool]) -> dict[int, dict[str, float]]: ...
+
+    def scope(self, run: int) -> AbstractContextManager[Any]:
+        """While open, log lines go to run ``run``'s log only."""
+        ...
+
+
+def run_round(runs: Sequence[RoundRun], executor: RoundExecutor) -> list[RoundMetrics]:
+    """One round of every run in ``runs`` (all at the same round number), in the order the
+    module doc gives: select, release, validate and aggregate, train, average weights,
+    evaluate, metrics.  Each run advances its ``round`` and appends to its ``history``."""
+    t0 = time.perf_counter()
+    index = range(len(runs))
+    active = {r: runs[r].select_participants() for r in index}
+    chosen = {r: [c for c, a in zip(runs[r].clients, active[r]) if a] for r in index}
+    uploads = executor.upload(active)
+    rejected: dict[int, list[dict[str, str]]] = {}
+    missing: dict[int, list[int]] = {}
+    for r in index:
+        run = runs[r]
+        with executor.scope(r):
+            accepted, rejected[r] = run.validate(uploads[r])
+            run.global_state = to_device(run.method.aggregate(accepted, run.round), run.device)
+            missing[r] = run.missing_classes(accepted)
+    losses = executor.train(chosen)
+    plans: dict[int, str] = {}
+    for r in index:
+        run = runs[r]
+        if run.method.shares_weights and any(active[r]):
+            run.average_weights(active[r])
+        plans[r] = evaluation_plan(run.config.federation, run.round)
+    accs = executor.evaluate({r: plans[r] == "sample" for r in index if plans[r] != "none"})
+    holdout = {r: runs[r].evaluate_holdout() if plans[r] != "none" else None for r in index}
+    for r in index:
+        # what the round's participants' method state became goes to the mapped files too,
+        # and the clients' pages leave the resident set (run.client_state=disk; no-ops else)
+        runs[r].offload_state(chosen[r])
+        runs[r].page_out()
+    wall = time.perf_counter() - t0
+    out = []
+    for r in index:
+        run = runs[r]
+        metrics = round_metrics(
+            round_number=run.round + 1,
+            client_acc=accs.get(r, {}),
+            domain_of={c.data.name: c.data.domain_name for c in run.clients},
+            losses=losses[r],
+            wall_s=wall,
+            privacy=run.privacy_status(),
+            holdout_acc=holdout[r],
+            participants=[c.data.name for c in chosen[r]],
+            rejected=rejected[r],
+            feature_norms=run.last_feature_norms,
+            mia=run.last_mia,
+            missing=missing[r],
+            evaluation=plans[r],
+        )
+        run.round += 1
+        run.history.append(metrics)
+        out.append(metrics)
+    return out

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from protofl import __version__
-from protofl.attacks.mia import diagnostics_for
 from protofl.config import ExperimentConfig
 from protofl.data.cache import protofl_home
 from protofl.engine.checkpoint import (
@@ -30,6 +29,7 @@ from protofl.engine.checkpoint import (
     wait_for_deletions,
 )
 from protofl.engine.federated_data import FederatedData, build_federated_data, preflight
+from protofl.engine.hooks import check_diagnostics, upload_hooks_for
 from protofl.engine.rundir import (
     CLIENT_ARTIFACTS,
     SUMMARY_LOCAL_FIELDS,
@@ -175,6 +175,7 @@ def run_experiment(
 ) -> RunResult:
     """Build the federation, run every round, and write the run folder."""
     preflight(config)  # a bad name, option or data root fails before any folder exists
+    check_diagnostics(config)  # as does a diagnostic whose hook nobody registered
     run_dir = make_run_dir(config, out)
     start_run_dir(config, run_dir)
     return _execute(
@@ -523,7 +524,7 @@ class RunSession:
         t0 = time.perf_counter()
         home = home or protofl_home()
         if data is None:
-            from protofl.report.progress import progress_notes
+            from protofl.progress import progress_notes
 
             with progress_notes(show):  # feature extraction on a fresh cache takes minutes
                 data = build_federated_data(config, home)
@@ -534,7 +535,7 @@ class RunSession:
         # resume, removed once the run has finished: the last checkpoint holds it all)
         state_dir = run_dir / STATE_DIR if config.run.client_state == "disk" else None
         self.state_dir = state_dir
-        sim = Simulation(config, data, upload_hooks=diagnostics_for(config), state_dir=state_dir)
+        sim = Simulation(config, data, upload_hooks=upload_hooks_for(config), state_dir=state_dir)
         self.sim = sim
         self.extensions = read_extensions(run_dir)
         self.target = target_rounds(run_dir, config)

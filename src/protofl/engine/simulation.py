@@ -7,13 +7,13 @@ strategy); this module holds the clients and runs their side, one after another 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import tempfile
-import time
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +21,16 @@ import numpy as np
 import torch
 
 from protofl.config import ExperimentConfig
-from protofl.engine.federated_data import ClientData, FederatedData
+from protofl.engine.client import Client
+from protofl.engine.federated_data import FederatedData
 from protofl.engine.optimizers import make_optimizer
 from protofl.engine.round import (
     RoundMetrics,
     combine_weights,
     eval_subsample,
-    evaluation_plan,
     missing_classes,
     privacy_status,
-    round_metrics,
+    run_round,
     select_participants,
     validate_uploads,
 )
@@ -42,9 +42,9 @@ from protofl.models.client import ClientModel, copy_client_model
 from protofl.models.device import autocast, describe_device, prepare_device, to_cpu, to_device
 from protofl.privacy import create_mechanism
 from protofl.privacy.base import Mechanism, Release
+from protofl.privacy.client import PrivateClient, release_many
 from protofl.privacy.guarantee import describe_guarantee
-from protofl.privacy.ledger import PrivacyLedger
-from protofl.privacy.noise import NoiseKey, noise_key, resolve_noise_mode, restore_noise_key
+from protofl.privacy.noise import noise_key, resolve_noise_mode
 from protofl.report.norms import feature_norm_stats
 from protofl.seeding import Stream, derive_seed, generator
 
@@ -54,20 +54,6 @@ EVAL_BATCH = 2048
 
 UploadHook = Callable[["Simulation", "Client", torch.Tensor, Release], None]
 """A local-only diagnostic run on each release as sent (see ``Simulation.upload``)."""
-
-
-@dataclass
-class Client:
-    """Everything one simulated client owns."""
-
-    data: ClientData
-    model: ClientModel
-    optimizer: torch.optim.Optimizer
-    state: ClientState
-    ledger: PrivacyLedger
-    train_gen: torch.Generator
-    noise_gen: NoiseKey
-    dcr: Any = None
 
 
 class Simulation:
@@ -199,23 +185,20 @@ class Simulation:
                 model.to(self.device)
             self.frozen_pool.share(model)
             opt = make_optimizer(model.trainable_parameters(), fed)
-            dcr = None
-            if config.privacy.use_dcr:
-                from protofl.privacy.dcr import DCR
-
-                dcr = DCR(config.privacy, model.head)
             self.clients.append(
                 Client(
                     data=cd,
                     model=model,
                     optimizer=opt,
                     state=ClientState(),
-                    ledger=PrivacyLedger(
-                        delta=config.privacy.delta, accountant=config.privacy.accountant
-                    ),
                     train_gen=generator(config.seed, Stream.TRAIN, cd.client),
-                    noise_gen=noise_key(self.noise_mode, config.seed, cd.client),
-                    dcr=dcr,
+                    privacy=PrivateClient(
+                        config.privacy,
+                        mechanism=self.mechanism,
+                        key=noise_key(self.noise_mode, config.seed, cd.client),
+                        name=cd.name,
+                        head=model.head,
+                    ),
                 )
             )
             if self.state_dir is not None:
@@ -341,17 +324,17 @@ class Simulation:
             # computed are copied over, and the mechanism (clipping, prototypes, noise from the
             # clients' CPU generators) is the CPU code, so a noise key means the same everywhere
             feats = [f.cpu() for f in features_of(chosen)]
-            releases = self.mechanism.release_many(
+            # each client's ledger is charged with its release before anything is sent
+            releases = release_many(
+                [c.privacy for c in chosen],
                 feats,
                 [c.data.train_y.cpu() for c in chosen],
                 num_classes=self.data.num_classes,
-                generators=[c.noise_gen for c in chosen],
-                clients=[c.data.name for c in chosen],
+                round_index=self.round,
                 cluster_fn=self.method.cluster_fn(),
                 vectorise=vectorise,
             )
             for c, f, release in zip(chosen, feats, releases):
-                c.ledger.record(self.round, release)
                 # a local diagnostic (VPDR Fig. 4a): never uploaded, not covered by the DP claim
                 norms[c.data.name] = feature_norm_stats(f, clip=self.config.privacy.clip)
                 scale = self.config.federation.poison.get(c.data.name)
@@ -582,41 +565,9 @@ class Simulation:
         return float(np.mean(accs))
 
     def run_round(self) -> RoundMetrics:
-        """One full round; returns its metrics."""
-        t0 = time.perf_counter()
-        active = self.select_participants()
-        uploads = self.collect_uploads(active)
-        accepted, rejected = self.validate(uploads)
-        self.global_state = to_device(self.method.aggregate(accepted, self.round), self.device)
-        missing = self.missing_classes(accepted)
-        losses = self.train_active([c for c, a in zip(self.clients, active) if a])
-        if self.method.shares_weights and any(active):
-            self.average_weights(active)
-        plan = evaluation_plan(self.config.federation, self.round)
-        client_acc = self.evaluate(plan == "sample") if plan != "none" else {}
-        holdout_acc = self.evaluate_holdout() if plan != "none" else None
-        # what the round's participants' method state became (uploads, training) goes to the
-        # mapped files too, and the clients' pages leave the resident set: part of the round's
-        # time (run.client_state=disk; no-ops otherwise)
-        self.offload_state([c for c, a in zip(self.clients, active) if a])
-        self.page_out()
-        metrics = round_metrics(
-            round_number=self.round + 1,
-            client_acc=client_acc,
-            domain_of={c.data.name: c.data.domain_name for c in self.clients},
-            losses=losses,
-            wall_s=time.perf_counter() - t0,
-            privacy=self.privacy_status(),
-            holdout_acc=holdout_acc,
-            participants=[c.data.name for c, a in zip(self.clients, active) if a],
-            rejected=rejected,
-            feature_norms=self.last_feature_norms,
-            mia=self.last_mia,
-            missing=missing,
-            evaluation=plan,
-        )
-        self.round += 1
-        self.history.append(metrics)
+        """One full round (:func:`protofl.engine.round.run_round` with this run's own
+        executor: sequential, or batched); returns its metrics."""
+        (metrics,) = run_round([self], _OwnExecutor(self))
         return metrics
 
     def offload_state(self, clients: Sequence[Client]) -> None:
@@ -657,7 +608,7 @@ class Simulation:
         """Epsilon spent per client (None without a guarantee) and the release facts."""
         last = [r for r in self.releases[-1] if r is not None] if self.releases else []
         return privacy_status(
-            {c.data.name: c.ledger for c in self.clients},
+            {c.data.name: c.privacy.ledger for c in self.clients},
             uses_prototypes=self.method.uses_prototypes,
             partition_overlaps=[
                 r.diagnostics["partition_overlap"]
@@ -724,10 +675,8 @@ class Simulation:
                     "model": c.model.state_dict(),
                     "optimizer": c.optimizer.state_dict(),
                     "state": st,
-                    "ledger": c.ledger.state_dict(),
                     "train_gen": c.train_gen.get_state(),
-                    "noise_gen": c.noise_gen.state_dict(),
-                    "dcr": None if c.dcr is None else c.dcr.state_dict(),
+                    **c.privacy.state_dict(),  # ledger, noise key's state (never a secret), dcr
                 }
                 for c, st in zip(self.clients, states)
             ],
@@ -762,13 +711,30 @@ class Simulation:
             c.model.load_state_dict(cs["model"])
             c.optimizer.load_state_dict(cs["optimizer"])
             c.state.tensors = to_device(dict(cs["state"]), self.device)
-            c.ledger.load_state_dict(cs["ledger"])
             c.train_gen.set_state(cs["train_gen"])
-            c.noise_gen = restore_noise_key(c.noise_gen, cs["noise_gen"], where="the checkpoint")
-            if c.dcr is not None:
-                c.dcr.load_state_dict(cs["dcr"])
+            c.privacy.load_state_dict(cs, where="the checkpoint")
         self.offload_state(self.clients)
         self.page_out()
+
+
+class _OwnExecutor:
+    """The client side of one simulation's round (:class:`~protofl.engine.round.RoundExecutor`
+    of run 0): its releases, local training and evaluation, sequential or batched."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+
+    def upload(self, active: Mapping[int, list[bool]]) -> dict[int, list[Upload]]:
+        return {0: self.sim.collect_uploads(active[0])}
+
+    def train(self, chosen: Mapping[int, list[Client]]) -> dict[int, list[float]]:
+        return {0: self.sim.train_active(chosen[0])}
+
+    def evaluate(self, samples: Mapping[int, bool]) -> dict[int, dict[str, float]]:
+        return {r: self.sim.evaluate(sample) for r, sample in samples.items()}
+
+    def scope(self, run: int) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
 
 
 def to_cpu_once(value: Any, memo: dict[tuple[Any, ...], torch.Tensor] | None = None) -> Any:

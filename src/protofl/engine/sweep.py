@@ -13,7 +13,10 @@ A sweep file::
 
 Every grid point gets a deterministic folder ``<sweep_dir>/<index>-<slug>`` (a normal run folder).
 A point whose folder holds ``summary.json`` is done and is skipped; one with checkpoints is
-resumed from its last complete round; anything else starts afresh.
+resumed from its last complete round; anything else starts afresh.  Each point runs on the
+engine its ``run.engine`` names (:func:`protofl.engine.engines.run_engine_in_dir`: ``sim``, or
+``flower`` with the sweep's ``flower`` options); an engine that cannot run in a given folder
+(``flower-loopback``) is refused, naming ``run.engine``, before anything is created.
 
 Fused runs (``fuse:``, default ``true``; ``protofl sweep --no-fuse`` turns it off)::
 
@@ -27,7 +30,8 @@ fused group: their clients train, evaluate and upload in one batched program
 run folder; results equal the separate runs to float rounding.  A group whose runs turn out
 not to fit together (model shapes, a method that cannot batch, ...) runs its points one by one;
 ``sweep.log`` and each run's ``note`` in ``sweep.json`` say why.  Sequential points (the
-default execution) never fuse.
+default execution) never fuse, nor do points of another engine than ``sim`` (a fused group is
+the in-process simulator's program): a ``run.engine: flower`` point always runs on its own.
 
 Selecting a setting without looking at the test set (``select:``)::
 
@@ -405,10 +409,25 @@ def _build_point(
         raise ConfigError(f"{source}: {where}: {exc}") from None
 
 
+def check_engines(points: Sequence[SweepPoint], source: str) -> None:
+    """Every point's ``run.engine`` must run in a folder it is given (a sweep point's): an
+    unknown engine, or one that writes only folders of its own making (``flower-loopback``),
+    fails naming the point and ``run.engine``, before anything is created."""
+    from protofl.engine.engines import in_dir_engine
+
+    for p in points:
+        try:
+            in_dir_engine(p.config)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: grid point {p.index} ({p.label()}): {exc}") from None
+
+
 def _check_registries(points: Sequence[SweepPoint], source: str) -> None:
-    """Unknown data sets, backbones, methods or method parameters fail before any run."""
+    """Unknown data sets, backbones, methods or method parameters, and engines that cannot run
+    a sweep point, fail before any run."""
     from protofl.engine.federated_data import preflight
 
+    check_engines(points, source)
     checked: set[str] = set()
     for p in points:
         cfg = p.config
@@ -615,13 +634,16 @@ def run_selection(
     home: Path | None = None,
     progress: bool = True,
     warm_cache: bool = True,
+    flower: Mapping[str, Any] | None = None,
 ) -> SelectionResult:
     """Run a ``select:`` sweep: the validation runs, the choice per group, then the test runs
-    at the chosen values; writes ``selection.json`` (see the module docstring)."""
+    at the chosen values; writes ``selection.json`` (see the module docstring).  ``flower``:
+    as :func:`run_sweep`."""
     from protofl.engine.rundir import FolderLock
 
     if plan.select is None:
         raise ValueError(f"sweep {plan.name} has no select: section")
+    check_engines(plan.points, plan.source)  # before the sweep folder exists
     sweep_dir = Path(sweep_dir) if sweep_dir is not None else plan.default_dir()
     select_dir = sweep_dir / SELECT_DIR
     with FolderLock(sweep_dir, "sweep"):
@@ -641,6 +663,7 @@ def run_selection(
             home=home,
             progress=progress,
             warm_cache=warm_cache,
+            flower=flower,
         )
         record, tests = choose(plan, select_dir)
         tpoints = make_points(
@@ -668,6 +691,7 @@ def run_selection(
             warm_cache=warm_cache,
             on_update=None,
             fuse=plan.fuse,
+            flower=flower,
         )
         _record_tests(record, plan, tpoints, tests, sweep_dir)
         _record_privacy(record, plan, tpoints, sweep_dir)
@@ -1064,10 +1088,24 @@ def _existing_config_problem(run_dir: Path, config: ExperimentConfig) -> str | N
     except (ConfigError, ValueError) as exc:
         return f"its config.yaml is unreadable ({exc})"
     new = config.to_dict()
-    if old == new:
-        return None
-    diffs = _dict_diff(old, new)
-    return "it was made with a different config (" + "; ".join(diffs[:3]) + ")"
+    if old != new:
+        diffs = _dict_diff(old, new)
+        return "it was made with a different config (" + "; ".join(diffs[:3]) + ")"
+    # the same config run on another engine (a sweep before points honoured run.engine ran
+    # every point on the simulator): its results are not this point's
+    from protofl.engine.rundir import read_record
+
+    try:
+        record = read_record(run_dir)
+    except ConfigError:
+        return None  # an unreadable record: the run itself says so (a resume refuses it)
+    made_by = "sim" if record is None else str(record.get("engine", "sim"))
+    if made_by != config.run.engine:
+        return (
+            f"it was run on the {made_by!r} engine, and this point has "
+            f"run.engine={config.run.engine!r}"
+        )
+    return None
 
 
 def _dict_diff(a: Any, b: Any, prefix: str = "") -> list[str]:
@@ -1158,8 +1196,14 @@ def read_status(sweep_dir: str | Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # the worker
 # --------------------------------------------------------------------------------------------
-def _init_worker() -> None:
+def _init_worker(hook_modules: Sequence[str] = ()) -> None:
     import torch
+
+    from protofl.engine.hooks import load_hook_modules
+
+    # the driver's diagnostic hooks (run.mia_every: protofl.attacks registers one), registered
+    # here too: a point runs in a worker as it would in the driver
+    load_hook_modules(hook_modules)
 
     torch.set_num_threads(1)
     with contextlib.suppress(RuntimeError):
@@ -1191,11 +1235,18 @@ def _exit_with_driver() -> None:
     threading.Thread(target=watch, name="protofl-orphan-watch", daemon=True).start()
 
 
-def execute_point(run_dir: str, config_yaml: str, home: str | None) -> dict[str, Any]:
-    """Run (or resume) one grid point in ``run_dir``; never raises: failures come back as
+def execute_point(
+    run_dir: str,
+    config_yaml: str,
+    home: str | None,
+    flower: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Run (or resume) one grid point in ``run_dir`` on the engine its ``run.engine`` names
+    (:func:`~protofl.engine.engines.run_engine_in_dir`; ``flower``: the Flower engine's options,
+    :class:`~protofl.engine.engines.EngineOptions`); never raises: failures come back as
     ``{"status": "failed", "error": ..., "traceback": ...}`` (also written to ``error.txt``)."""
     from protofl.engine.checkpoint import CheckpointError
-    from protofl.engine.runner import run_in_dir
+    from protofl.engine.engines import EngineOptions, run_engine_in_dir
     from protofl.methods.scope import warn_mechanism_scope
 
     t0 = time.perf_counter()
@@ -1207,19 +1258,21 @@ def execute_point(run_dir: str, config_yaml: str, home: str | None) -> dict[str,
         config = ExperimentConfig.from_dict(yamlio.load(config_yaml) or {}, source=run_dir)
         warn_mechanism_scope(config)
         (path / "config.yaml").write_text(config.to_yaml())
-        home_path = Path(home) if home else None
+        options = EngineOptions(
+            progress=False, flower=dict(flower or {}), home=Path(home) if home else None
+        )
         resume = (path / "checkpoints.json").exists()
         if resume:
             action = "resumed"
             resumed_from = _last_checkpoint_round(path)
         try:
-            result = run_in_dir(config, path, home=home_path, progress=False, resume=resume)
+            result = run_engine_in_dir(config, path, options, resume=resume)
         except CheckpointError as exc:
             log.warning("%s: %s; starting the run again from round 0", path, exc)
             for f in path.glob("checkpoint*"):
                 f.unlink()
             action, resumed_from = "ran", None
-            result = run_in_dir(config, path, home=home_path, progress=False, resume=False)
+            result = run_engine_in_dir(config, path, options, resume=False)
         s = result.summary
         return {
             "status": "done",
@@ -1246,11 +1299,13 @@ def execute_point(run_dir: str, config_yaml: str, home: str | None) -> dict[str,
         }
 
 
-def _pool_execute(run_dir: str, config_yaml: str, home: str) -> dict[str, Any]:
+def _pool_execute(
+    run_dir: str, config_yaml: str, home: str, flower: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """In a worker: the forkserver's environment is from when it started, so set the cache
     home the sweep resolved before running the point."""
     os.environ["PROTOFL_HOME"] = home
-    return execute_point(run_dir, config_yaml, home)
+    return execute_point(run_dir, config_yaml, home, flower)
 
 
 def execute_group(
@@ -1275,6 +1330,10 @@ def execute_group(
         starts: list[tuple[str, int | None]] = []
         for path, text in zip(paths, config_yamls):
             config = ExperimentConfig.from_dict(yamlio.load(text) or {}, source=str(path))
+            if config.run.engine != FUSED_ENGINE:  # fusion_groups never groups such points
+                raise FusionUnavailable(
+                    f"run.engine={config.run.engine!r} (only the {FUSED_ENGINE} engine fuses)"
+                )
             path.mkdir(parents=True, exist_ok=True)
             (path / ERROR_FILE).unlink(missing_ok=True)
             (path / "config.yaml").write_text(config.to_yaml())
@@ -1367,6 +1426,7 @@ def run_sweep(
     warm_cache: bool = True,
     on_update: ProgressFn | None = None,
     fuse: bool | None = None,
+    flower: Mapping[str, Any] | None = None,
 ) -> SweepResult:
     """Run every grid point that is not yet complete; failed points do not stop the others.
 
@@ -1374,12 +1434,15 @@ def run_sweep(
     group) at a time with one torch thread.  ``warm_cache`` first computes the frozen features
     of every distinct data set-up once in this process, so the workers only read the shared
     cache.  ``fuse`` (default: the plan's ``fuse:``, true) runs compatible batched points as
-    fused groups (see the module doc).
+    fused groups (see the module doc).  Each point runs on its ``run.engine``; ``flower``: the
+    options of a ``run.engine: flower`` point (``backend``, ``num_cpus``, ``round_timeout``,
+    ``ray_address``, as :class:`~protofl.engine.engines.EngineOptions`'s ``flower``).
     """
     from protofl.engine.rundir import FolderLock
 
     if plan.select is not None:
         raise ValueError(f"sweep {plan.name} selects {plan.select.key}: run it with run_selection")
+    check_engines(plan.points, plan.source)  # before the sweep folder exists
     sweep_dir = Path(sweep_dir) if sweep_dir is not None else plan.default_dir()
     with FolderLock(sweep_dir, "sweep"):  # one sweep at a time in a folder
         return _run_sweep(
@@ -1391,6 +1454,7 @@ def run_sweep(
             warm_cache=warm_cache,
             on_update=on_update,
             fuse=plan.fuse if fuse is None else fuse,
+            flower=flower,
         )
 
 
@@ -1404,6 +1468,7 @@ def _run_sweep(
     warm_cache: bool,
     on_update: ProgressFn | None,
     fuse: bool = True,
+    flower: Mapping[str, Any] | None = None,
 ) -> SweepResult:
     from protofl.data.cache import protofl_home
 
@@ -1443,7 +1508,7 @@ def _run_sweep(
         with display, _terminate_as_interrupt():
             if warm_cache and jobs > 1 and len(todo) > 1:
                 _warm_feature_cache(todo, home, display)
-            _drive(plan, todo, runs, sweep_dir, jobs, home, display, on_update, fuse)
+            _drive(plan, todo, runs, sweep_dir, jobs, home, display, on_update, fuse, flower)
     except KeyboardInterrupt:
         for st in runs:
             if st.status in ("running", "pending"):
@@ -1476,9 +1541,14 @@ def resume_command(
     return shlex.join(argv)
 
 
+FUSED_ENGINE = "sim"
+"""The engine whose points may fuse: a fused group is the in-process simulator's program."""
+
+
 def fusion_groups(todo: Sequence[SweepPoint], fuse: bool = True) -> list[list[SweepPoint]]:
-    """The sweep's tasks in order: a fused group (points whose configs have one
-    :func:`~protofl.engine.fused.fusion_key`) or a single point."""
+    """The sweep's tasks in order: a fused group (``sim`` points whose configs have one
+    :func:`~protofl.engine.fused.fusion_key`) or a single point (any other engine's points
+    among them: they run on their own engine)."""
     if not fuse:
         return [[p] for p in todo]
     from protofl.engine.fused import fusion_key
@@ -1486,7 +1556,7 @@ def fusion_groups(todo: Sequence[SweepPoint], fuse: bool = True) -> list[list[Sw
     tasks: list[list[SweepPoint]] = []
     by_key: dict[str, list[SweepPoint]] = {}
     for p in todo:
-        key = fusion_key(p.config)
+        key = fusion_key(p.config) if p.config.run.engine == FUSED_ENGINE else None
         if key is None:
             tasks.append([p])
         elif key in by_key:
@@ -1538,6 +1608,7 @@ def _drive(
     display: _Display,
     on_update: ProgressFn | None,
     fuse: bool = True,
+    flower: Mapping[str, Any] | None = None,
 ) -> None:
     if not todo:
         display.refresh(sweep_dir)
@@ -1547,12 +1618,19 @@ def _drive(
     _announce(sweep_dir, runs, tasks)
     if jobs == 1 or (len(tasks) == 1 and len(tasks[0]) > 1):
         # one fused group and nothing else: in this process, with the cores as threads
-        _drive_inline(plan, tasks, runs, sweep_dir, home, display, on_update, threads=jobs)
+        _drive_inline(
+            plan, tasks, runs, sweep_dir, home, display, on_update, threads=jobs, flower=flower
+        )
         return
     workers = min(jobs, len(tasks))
     threads = max(1, jobs // workers)
+    from protofl.engine.hooks import hook_modules
+
     pool = ProcessPoolExecutor(
-        max_workers=workers, mp_context=_mp_context(), initializer=_init_worker
+        max_workers=workers,
+        mp_context=_mp_context(),
+        initializer=_init_worker,
+        initargs=(tuple(hook_modules()),),
     )
     futures: dict[Future[Any], list[int]] = {}
     reported: set[str] = set()
@@ -1567,7 +1645,9 @@ def _drive(
             if len(task) == 1:
                 p = task[0]
                 d = p.run_dir(sweep_dir)
-                fut = pool.submit(_pool_execute, str(d), p.config.to_yaml(), str(home))
+                fut = pool.submit(
+                    _pool_execute, str(d), p.config.to_yaml(), str(home), dict(flower or {})
+                )
             else:
                 fut = pool.submit(
                     _pool_execute_group,
@@ -1645,6 +1725,7 @@ def _drive_inline(
     display: _Display,
     on_update: ProgressFn | None,
     threads: int = 1,
+    flower: Mapping[str, Any] | None = None,
 ) -> None:
     """Run the tasks one after another in this process (no worker start-up)."""
     jobs = threads
@@ -1660,7 +1741,7 @@ def _drive_inline(
         if len(task) == 1:
             p = task[0]
             d = p.run_dir(sweep_dir)
-            outs = [execute_point(str(d), p.config.to_yaml(), str(home) if home else None)]
+            outs = [execute_point(str(d), p.config.to_yaml(), str(home) if home else None, flower)]
         else:
 
             def on_round(member: int, m: Any, task: list[SweepPoint] = task) -> None:

@@ -32,15 +32,18 @@ import torch
 from torch import nn
 
 from protofl.privacy.base import ClusterFn, Mechanism, Release, create_mechanism
+from protofl.privacy.client import PrivateClient
 from protofl.privacy.config import PrivacyConfig
 from protofl.privacy.dcr import DCR
 from protofl.privacy.guarantee import describe_guarantee
 from protofl.privacy.ledger import PrivacyLedger
-from protofl.privacy.noise import NOISE_KEY_NOTES, noise_key, resolve_noise_mode
+from protofl.privacy.noise import NOISE_KEY_NOTES, NoiseKey, noise_key, resolve_noise_mode
 
 
 class PrototypePrivacy:
-    """Calibrated prototype release, noise key, ledger and DCR of ONE client.
+    """Calibrated prototype release, noise key, ledger and DCR of ONE client: a thin
+    constructor over :class:`~protofl.privacy.client.PrivateClient` (what protofl's engines
+    hold for each client), adding the plug-in's input checks and its own release budget.
 
     Build it from keyword settings (any :class:`PrivacyConfig` field: ``epsilon``, ``delta``,
     ``mechanism`` (``igpp`` | ``vpp`` | ``vpdr``, the default), ``clip``, ``vpp_*``, ``dcr_*``
@@ -91,12 +94,30 @@ class PrototypePrivacy:
         )
         if self.noise_key == "derived" and seed is None:
             raise ValueError("noise_seed='derived' needs seed= (and client=) to derive the key")
-        self.mechanism: Mechanism = create_mechanism(config, rounds=rounds, dim=dim)
-        # a 256-bit key, ratcheted after every draw; a secret one never leaves this object
-        self.generator = noise_key(self.noise_key, 0 if seed is None else seed, client)
-        self.ledger = PrivacyLedger(delta=config.delta, accountant=config.accountant)
+        # the engines' own per-client privacy state: calibrated mechanism, a 256-bit noise
+        # key ratcheted after every draw (a secret one never leaves it), ledger, DCR
+        self.private = PrivateClient(
+            config,
+            mechanism=create_mechanism(config, rounds=rounds, dim=dim),
+            key=noise_key(self.noise_key, 0 if seed is None else seed, client),
+            name=name,
+        )
         self.releases_made = 0
-        self._dcr: DCR | None = None
+
+    @property
+    def mechanism(self) -> Mechanism:
+        """The calibrated mechanism."""
+        return self.private.mechanism
+
+    @property
+    def generator(self) -> NoiseKey:
+        """The noise key (a secret key's bytes are never in any state this object returns)."""
+        return self.private.key
+
+    @property
+    def ledger(self) -> PrivacyLedger:
+        """The ledger every release is charged to."""
+        return self.private.ledger
 
     # ----- releasing ----------------------------------------------------------------------------
     @property
@@ -134,20 +155,13 @@ class PrototypePrivacy:
         index, draws = self.releases_made, self.generator.draws
         self.releases_made += 1
         try:
-            out = self.mechanism.release(
-                features,
-                labels,
-                num_classes=num_classes,
-                generator=self.generator,
-                client=self.name,
-                cluster_fn=cluster_fn,
+            return self.private.release(
+                features, labels, num_classes=num_classes, round_index=index, cluster_fn=cluster_fn
             )
         except Exception:
             if self.generator.draws == draws:
                 self.releases_made = index
             raise
-        self.ledger.record(index, out)
-        return out
 
     def _inputs(self, features: Any, labels: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``features`` as a floating tensor of at least float32 precision (clipping and noise
@@ -215,11 +229,7 @@ class PrototypePrivacy:
         """The DCR hooks for ``head`` (created once; None unless the mechanism is ``vpdr`` or
         ``dcr=True``): ``soft_clip(f_raw)`` before the head, ``kd_loss(f_raw, logits)`` to add
         to the loss, ``after_step(head)`` after each optimiser step.  No privacy cost."""
-        if not self.config.use_dcr:
-            return None
-        if self._dcr is None:
-            self._dcr = DCR(self.config, head)
-        return self._dcr
+        return self.private.attach_dcr(head)
 
     # ----- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -236,7 +246,7 @@ class PrototypePrivacy:
                 "ledger": self.ledger.state_dict(),
                 "mechanism": self.mechanism.state_dict(),
                 "generator": self.generator.state_dict(),
-                "dcr": None if self._dcr is None else self._dcr.state_dict(),
+                "dcr": None if self.private.dcr is None else self.private.dcr.state_dict(),
             }
         )
 
@@ -273,15 +283,15 @@ class PrototypePrivacy:
                 f"{self.name}: the state's noise generator is from an older protofl (a 32-bit "
                 "torch generator, which may hold the secret key); it cannot be loaded"
             )
+        if state.get("dcr") is not None and self.private.dcr is None:
+            raise ValueError("the state holds a DCR teacher: call dcr(head) before loading")
         state = copy.deepcopy(state)
         self.generator.load_state_dict(generator)
         self.releases_made = saved
         self.ledger.load_state_dict(state["ledger"])
         self.mechanism.load_state_dict(state["mechanism"])
-        if state.get("dcr") is not None:
-            if self._dcr is None:
-                raise ValueError("the state holds a DCR teacher: call dcr(head) before loading")
-            self._dcr.load_state_dict(state["dcr"])
+        if state.get("dcr") is not None and self.private.dcr is not None:
+            self.private.dcr.load_state_dict(state["dcr"])
 
     def describe(self) -> dict[str, Any]:
         """Calibration facts (sigma, accountant, budget, relation) and the noise-key mode."""

@@ -155,8 +155,8 @@ def cmd_table(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 def cmd_report(args: argparse.Namespace) -> int:
     """Write report.html and report.md into a run or sweep folder."""
+    from protofl.progress import progress_notes
     from protofl.report.html import write_report
-    from protofl.report.progress import progress_notes
 
     with progress_notes(True):  # the t-SNE alone takes tens of seconds
         html_path, md_path = write_report(

@@ -220,7 +220,7 @@ def _fmt(value: Any) -> str:
 def _try_figure(
     doc: Doc, draw: Callable[[], list[Path]], caption: str, notes: list[str], what: str
 ) -> None:
-    from protofl.report.progress import step
+    from protofl.progress import step
 
     try:
         with step(f"figure: {what}"):

@@ -120,7 +120,7 @@ def test_the_audit_prints_a_line_while_it_runs(capsys: pytest.CaptureFixture[str
     import time
 
     from protofl.attacks.cli import _ticker
-    from protofl.report.progress import progress_notes
+    from protofl.progress import progress_notes
 
     with progress_notes(True), _ticker("audit", "release", every=0.05):
         time.sleep(0.3)

@@ -68,7 +68,7 @@ from protofl.engine.flower.codec import (
 )
 from protofl.engine.simulation import Client, Simulation
 from protofl.methods.base import Upload, frozen_parameter_names
-from protofl.privacy.noise import INSECURE_OPT_OUT, resolve_noise_mode, restore_noise_key
+from protofl.privacy.noise import INSECURE_OPT_OUT, resolve_noise_mode
 
 log = logging.getLogger(__name__)
 
@@ -156,16 +156,6 @@ def get_runtime(config: ExperimentConfig, home: Path | None = None) -> ClientRun
 
 
 # ----- one client's mutable state -----------------------------------------------------------
-def _own_mechanism_state(state: Any, name: str) -> Any:
-    """The mechanism's state restricted to one client's entries (its state is keyed by name)."""
-    if not isinstance(state, dict):
-        return state
-    return {
-        k: ({name: v[name]} if name in v else {}) if isinstance(v, dict) else v
-        for k, v in state.items()
-    }
-
-
 def _initial_state(
     state: dict[str, Any],
     seen: dict[Any, list[torch.Tensor]],
@@ -221,7 +211,6 @@ def client_state(
     state at the start of the run) a frozen parameter still equal to its initial value is left
     out; :func:`load_client_state` takes it from ``initial``.  The tensors are the client's live
     ones: serialise the state at once, or deep-copy it to keep it."""
-    mech = sim.mechanism.state_dict()
     model = c.model.state_dict()
     if initial is not None:
         for name in frozen_parameter_names(c.model):
@@ -231,11 +220,9 @@ def client_state(
         "model": dict(model),
         "optimizer": c.optimizer.state_dict(),
         "state": dict(c.state.tensors),
-        "ledger": c.ledger.state_dict(),
         "train_gen": c.train_gen.get_state(),
-        "noise_gen": c.noise_gen.state_dict(),
-        "dcr": None if c.dcr is None else c.dcr.state_dict(),
-        "mechanism": _own_mechanism_state(mech, c.data.name),
+        # ledger, the noise key's state (never a secret key), DCR, its mechanism entries
+        **c.privacy.state_dict(mechanism=True),
         "public_count": sim.public_counts.get(c.data.client),
     }
 
@@ -279,13 +266,10 @@ def load_client_state(
     load_model_state(c, model)
     c.optimizer.load_state_dict(state["optimizer"])
     c.state.tensors = dict(state["state"])
-    c.ledger.load_state_dict(state["ledger"])
     c.train_gen.set_state(state["train_gen"])
-    # a secret key is never in a saved state: the client keeps this process's own key
-    c.noise_gen = restore_noise_key(c.noise_gen, state["noise_gen"], where=f"client {c.data.name}")
-    if c.dcr is not None:
-        c.dcr.load_state_dict(state["dcr"])
-    sim.mechanism.load_state_dict(state["mechanism"])
+    # a secret key is never in a saved state: the client keeps this process's own key; the
+    # process serves one client at a time, so the mechanism keeps only this one's entries
+    c.privacy.load_state_dict(state, where=f"client {c.data.name}", alone=True)
     if state.get("public_count") is not None:
         sim.public_counts[c.data.client] = int(state["public_count"])
     else:
@@ -561,7 +545,7 @@ def _release(sim: Simulation, c: Client, msg: Message) -> RecordDict:
     sim.releases.clear()
     content = encode_upload(upload)
     content["metrics"] = finite_metrics(
-        {"num-examples": upload.num_samples, "client-epsilon": c.ledger.epsilon_spent()}
+        {"num-examples": upload.num_samples, "client-epsilon": c.privacy.epsilon_spent()}
     )
     if sim.diagnostics and upload.release is not None and upload.release.diagnostics:
         content[DIAGNOSTIC_RECORD] = finite_metrics(upload.release.diagnostics)
@@ -760,7 +744,7 @@ def _charge_node_ledger(sim: Simulation, c: Client, context: Context, run: str, 
         accountant=sim.config.privacy.accountant,
         default_folder=protofl_home() / "node-ledgers",
     )
-    events = sim.mechanism.release_events(len(c.ledger.entries))
+    events = sim.mechanism.release_events(len(c.privacy.ledger.entries))
     ledger.charge(run, rnd, sim.mechanism.name, events)
 
 

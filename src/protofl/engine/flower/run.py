@@ -179,7 +179,7 @@ def _simulate(
     try:
         # build (and disk-cache) the data once here: it tells how many SuperNodes to start,
         # and the server (the operator, who built every partition) what each must register
-        from protofl.report.progress import progress_notes
+        from protofl.progress import progress_notes
 
         with progress_notes(progress):  # feature extraction on a fresh home takes minutes
             data = build_federated_data(config, home)
@@ -387,7 +387,7 @@ def run_flower_app_command(args: argparse.Namespace) -> int:
     config = config.with_overrides(args.set or [])
     num = args.num_supernodes
     if num is None:
-        from protofl.report.progress import progress_notes
+        from protofl.progress import progress_notes
 
         print(f"building the data set {config.data.name!r} to count its clients ...", flush=True)
         with progress_notes(True):

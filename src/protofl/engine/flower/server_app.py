@@ -182,10 +182,11 @@ def run_flower_server(
 ) -> ServerOutcome:
     """Run the strategy on ``grid`` and write a run folder: a new one under ``out`` (when
     given), or ``run_dir`` (already started, e.g. by :func:`start_run_dir`).  The server
-    checkpoints after every round (unless ``federation.checkpoint`` is false); ``resume``
-    continues ``run_dir`` from its last checkpoint up to its rounds (configured plus
-    extensions).  ``partition_map``: node id -> the one partition that node may claim (None or
-    empty: first claim wins).  ``plan``: what the federation is
+    checkpoints after every round (unless ``federation.checkpoint`` is false), keeping the
+    latest ``federation.keep_checkpoints`` (0: all); ``resume`` continues ``run_dir`` from its
+    last checkpoint up to its rounds (configured plus extensions).  ``partition_map``: node
+    id -> the one partition that node may claim (None or empty: first claim wins).  ``plan``:
+    what the federation is
     (:func:`~protofl.engine.flower.strategy.plan_from_data` where the caller built the
     federated data, so every partition's sample count is known; None: the configured data
     set's classes, domains and clients,
@@ -220,7 +221,13 @@ def run_flower_server(
             if run_dir is not None:  # local-only fields: client-local, or dropped (deployment)
                 append_round(run_dir, m.to_json(), keep_local=diagnostics)
                 if config.federation.checkpoint:  # every round: the clients move every round
-                    save_checkpoint(run_dir, m.round, strategy.state_dict())
+                    # the latest federation.keep_checkpoints are kept (0: all), as the simulator
+                    save_checkpoint(
+                        run_dir,
+                        m.round,
+                        strategy.state_dict(),
+                        keep=config.federation.keep_checkpoints,
+                    )
             if on_round is not None:
                 on_round(m)
 

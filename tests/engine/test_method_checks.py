@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import protofl.methods  # noqa: F401  (registers every method)
+from protofl.engine.method_checks import check_method
 from protofl.methods.base import METHOD_REGISTRY, Batch, ClientState, GlobalState, Method, Upload
-from protofl.methods.checks import check_method
 from protofl.methods.feddap import FedDAP
 from protofl.methods.fedproto import FedProto
 from protofl.methods.fpl import FPL

@@ -9,7 +9,7 @@ import pytest
 from protofl.attacks.cli import main as attacks_main
 from protofl.engine.runner import run_experiment
 from protofl.methods.checks import tiny_config
-from protofl.report.progress import note, progress_notes, step
+from protofl.progress import note, progress_notes, step
 
 
 def test_notes_only_while_enabled(capsys: pytest.CaptureFixture[str]) -> None:
