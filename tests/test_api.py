@@ -35,3 +35,18 @@ def test_bad_input_fails_in_one_line_before_any_folder(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="config must be"):
         run(3, out=tmp_path / "x")  # type: ignore[arg-type]
     assert not (tmp_path / "x").exists()
+
+
+def test_protofl_run_is_the_api_and_importing_the_package_stays_cheap() -> None:
+    """Issue 43: the documented ``protofl.run(config)``; ``import protofl`` loads no torch."""
+    import subprocess
+    import sys
+
+    import protofl
+
+    assert protofl.run is run
+    with pytest.raises(AttributeError, match="no attribute 'runn'"):
+        protofl.runn  # noqa: B018
+    code = "import sys, protofl; assert 'torch' not in sys.modules; print(protofl.__version__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == protofl.__version__

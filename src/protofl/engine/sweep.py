@@ -82,7 +82,7 @@ from typing import Any
 
 import yaml
 
-from protofl import yamlio
+import protofl.yamlio as yamlio
 from protofl.config import ConfigError, ExperimentConfig, set_dotted
 from protofl.engine.rundir import terminate_as_interrupt as _terminate_as_interrupt
 from protofl.registry import nearest

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from protofl import yamlio
+import protofl.yamlio as yamlio
 
 ALIASES: dict[str, str] = {
     "method": "method.name",
