@@ -230,6 +230,7 @@ def test_extending_a_finished_run_composes_every_release_and_says_so(tmp_path: P
         "delta": delta,
         "rounds": 2,
         "accountant": "pld",
+        "release_schedule": "every_round",
     }
     statement = privacy["guarantee"]["statement"]
     assert statement.startswith(f"({total:g}, {delta:g})-local DP") and "(4 releases)" in statement
@@ -314,3 +315,25 @@ def test_extend_refuses_unfinished_runs_and_bad_rounds_in_one_line(
         extend_experiment(bare.run_dir, 1)
     assert main(["extend", str(tmp_path / "nowhere"), "--rounds", "1"]) == 2
     assert "is not a run folder" in capsys.readouterr().err
+
+
+def test_release_schedule_once_extends_without_spending_and_refuses_flower(
+    tmp_path: Path,
+) -> None:
+    from protofl.engine.engines import run_engine
+    from protofl.engine.runner import extend_experiment
+    from protofl.errors import ConfigError
+
+    config = _toy(2, **{"privacy.mechanism": "igpp", "privacy.release_schedule": "once"})
+    first = run_experiment(config, out=tmp_path / "runs")
+    eps = first.summary["privacy"]["guarantee"]["epsilon"]
+    assert max(first.summary["privacy"]["epsilon_spent"].values()) == pytest.approx(eps, rel=1e-3)
+    result = extend_experiment(first.run_dir, 2, progress=False)
+    privacy = result.summary["privacy"]
+    assert privacy["guarantee"]["epsilon"] == eps  # the one release is re-sent: no new cost
+    assert max(privacy["epsilon_spent"].values()) == pytest.approx(eps, rel=1e-3)
+    assert result.summary["rounds"] == 4
+    out = tmp_path / "flower"
+    with pytest.raises(ConfigError, match=r"release_schedule='once' runs on run.engine='sim'"):
+        run_engine(config.with_overrides(["run.engine=flower", f"run.out_dir={out}"]))
+    assert not out.exists()

@@ -254,3 +254,52 @@ def test_a_backbone_with_its_own_client_model_builds_every_client() -> None:
 
     assert backbone_class(tiny_config("fedproto", "none").backbone).client_model_key(5) == 0
     assert HtC4.client_model_key(5) is None and ResNet10.client_model_key(5) is None
+
+
+# ----- privacy.release_schedule=once (issue 44: one-shot private class means) -------------------
+def _once_sim(schedule: str, execution: str = "sequential", rounds: int = 3) -> Any:
+    cfg = tiny_config("fedproto", "igpp", rounds=rounds, clients_per_domain=2).with_overrides(
+        [
+            f"privacy.release_schedule={schedule}",
+            "privacy.noise_seed=derived",
+            "privacy.epsilon=1",
+            f"federation.execution={execution}",
+        ]
+    )
+    return Simulation(cfg, build_federated_data(cfg, _home()))
+
+
+@pytest.mark.parametrize("execution", ["sequential", "batched"])
+def test_release_schedule_once_releases_once_with_the_whole_budget(execution: str) -> None:
+    once, every = _once_sim("once", execution), _once_sim("every_round", execution)
+    assert once.mechanism.rounds == 1 and every.mechanism.rounds == 3
+    assert once.mechanism.sigma < every.mechanism.sigma  # one release gets the whole budget
+    once.run()
+    first = once.releases[0]
+    for later in once.releases[1:]:  # re-sent unchanged: the same released values
+        for a, b in zip(first, later):
+            assert a is not None and b is not None and torch.equal(a.prototypes, b.prototypes)
+    for c in once.clients:
+        assert len(c.privacy.ledger.entries) == 1 and c.privacy.key.draws > 0
+    spent = once.history[-1].privacy["epsilon_spent"]
+    assert all(e == pytest.approx(1.0, rel=1e-3) for e in spent.values())
+    g = once.guarantee()
+    assert "one release, re-sent unchanged" in g["statement"]
+    assert not any(gap.startswith("the trained feature map") for gap in g["not_covered"])
+    gaps = every.guarantee()["not_covered"]
+    assert any(gap.startswith("the trained feature map") for gap in gaps)
+
+
+def test_release_schedule_once_resumes_with_the_release_it_made() -> None:
+    whole = _once_sim("once")
+    whole.run()
+    first = _once_sim("once")
+    first.run(1)
+    state = first.state_dict()
+    resumed = _once_sim("once")
+    resumed.load_state_dict(state)
+    resumed.run()
+    for a, b in zip(whole.releases[-1], resumed.releases[-1]):
+        assert a is not None and b is not None and torch.equal(a.prototypes, b.prototypes)
+    assert resumed.history[-1].avg_acc == whole.history[-1].avg_acc
+    assert all(len(c.privacy.ledger.entries) == 1 for c in resumed.clients)

@@ -135,3 +135,23 @@ def test_every_client_side_holds_one() -> None:
     assert isinstance(privacy.private, PrivateClient)
     assert privacy.generator is privacy.private.key and isinstance(privacy.generator, NoiseKey)
     assert privacy.ledger is privacy.private.ledger
+
+
+def test_release_schedule_once_re_sends_the_first_release() -> None:
+    config = PrivacyConfig(mechanism="igpp", epsilon=2.0, clip=1.0, release_schedule="once")
+    assert config.releases(5) == 1 and config.releases(0) == 0
+    assert PrivacyConfig().releases(5) == 5
+    mech = create_mechanism(config, rounds=config.releases(5), dim=DIM)
+    c = PrivateClient(config, mechanism=mech, key=noise_key("derived", 7, 0), name="c0")
+    f, y = _data(0)
+    first = c.release(f, y, num_classes=CLASSES)
+    draws = c.key.draws
+    again = c.release(f * 2, y, num_classes=CLASSES)  # other features: still the one release
+    assert again is first and c.key.draws == draws and len(c.ledger.entries) == 1
+    (many,) = release_many([c], [f], [y], num_classes=CLASSES, round_index=2)
+    assert many is first and len(c.ledger.entries) == 1
+    restored = PrivateClient(config, mechanism=mech, key=noise_key("derived", 7, 0), name="c0")
+    restored.load_state_dict(c.state_dict())
+    assert restored.sent is not None and torch.equal(restored.sent.prototypes, first.prototypes)
+    with pytest.raises(ValueError, match="release_schedule"):
+        PrivacyConfig(release_schedule="twice")

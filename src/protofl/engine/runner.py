@@ -289,9 +289,11 @@ def plan_extension(run_dir: Path, config: ExperimentConfig, rounds: int) -> dict
             f"first with `{resume_command(run_dir)}`, then extend it"
         )
     fed, priv = config.federation, config.privacy
-    mechanism = create_mechanism(priv, rounds=fed.rounds, dim=config.backbone.proto_dim)
-    before = composed_epsilon(mechanism, config, done)
-    after = composed_epsilon(mechanism, config, done + rounds)
+    calibrated = priv.releases(fed.rounds)
+    mechanism = create_mechanism(priv, rounds=calibrated, dim=config.backbone.proto_dim)
+    # charged releases: privacy.release_schedule=once re-sends its one release, adding none
+    before = composed_epsilon(mechanism, config, priv.releases(done))
+    after = composed_epsilon(mechanism, config, priv.releases(done + rounds))
     entry = {
         "rounds": rounds,
         "from_round": done,
@@ -302,16 +304,20 @@ def plan_extension(run_dir: Path, config: ExperimentConfig, rounds: int) -> dict
             "mechanism": mechanism.name,
             "epsilon": priv.epsilon if mechanism.is_private else None,
             "delta": priv.delta if mechanism.is_private else None,
-            "rounds": fed.rounds,
+            "rounds": calibrated,
             "accountant": priv.accountant,
+            "release_schedule": priv.release_schedule,
         },
         "epsilon_before": before,
         "epsilon_after": after,
         "note": (
-            f"the noise was calibrated for ({priv.epsilon:g}, {priv.delta:g}) over {fed.rounds} "
-            f"releases per client; {done + rounds} releases at that noise compose to epsilon "
-            f"{after:.4g} at delta {priv.delta:g} ({priv.accountant}): the original epsilon no "
-            "longer holds"
+            "privacy.release_schedule=once: the extension re-sends each client's one release; "
+            f"the epsilon stays {after:.4g} at delta {priv.delta:g}"
+            if after is not None and priv.release_schedule == "once"
+            else f"the noise was calibrated for ({priv.epsilon:g}, {priv.delta:g}) over "
+            f"{fed.rounds} releases per client; {done + rounds} releases at that noise compose "
+            f"to epsilon {after:.4g} at delta {priv.delta:g} ({priv.accountant}): the original "
+            "epsilon no longer holds"
             if after is not None
             else "no privacy guarantee (the mechanism adds none)"
         ),
@@ -336,6 +342,8 @@ def extended_privacy(privacy: dict[str, Any], extensions: list[dict[str, Any]]) 
         for e in extensions
     ]
     old = out.get("guarantee")
+    if cal.get("release_schedule") == "once":  # no release was added: the guarantee stands
+        return out
     if isinstance(old, dict) and old.get("epsilon") is not None and total is not None:
         out["epsilon"] = total
         new = dict(old)
@@ -542,7 +550,7 @@ class RunSession:
         if extension is not None:
             log.warning("extension of %s: %s", run_dir, extension["note"])
         if self.target > config.federation.rounds:
-            raise_release_limit(sim.mechanism, self.target)
+            raise_release_limit(sim.mechanism, config.privacy.releases(self.target))
         if resume:
             state = load_latest_checkpoint(run_dir)
             if state is not None:

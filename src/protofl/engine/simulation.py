@@ -97,8 +97,11 @@ class Simulation:
         self.method.device = self.device
         if self.method.needs_domain and any(c.domain < 0 for c in data.clients):
             raise ValueError(f"method {self.method.name!r} needs every client to report a domain")
+        # calibrated for the releases a client makes (privacy.release_schedule=once: one)
         self.mechanism: Mechanism = create_mechanism(
-            config.privacy, rounds=fed.rounds, dim=config.backbone.proto_dim
+            config.privacy,
+            rounds=config.privacy.releases(fed.rounds),
+            dim=config.backbone.proto_dim,
         )
         self.global_state: GlobalState = {}
         self.round = 0
@@ -622,7 +625,8 @@ class Simulation:
         return describe_guarantee(
             self.config.privacy,
             noise_key=self.noise_mode,
-            rounds=self.config.federation.rounds,
+            # the charged releases: with release_schedule=once one, from the initial model
+            rounds=self.config.privacy.releases(self.config.federation.rounds),
             clustered=self.method.cluster_fn() is not None,
             shares_weights=self.method.shares_weights,
             uses_prototypes=self.method.uses_prototypes,

@@ -823,7 +823,8 @@ def _run_cost(label: str, config: ExperimentConfig, run_dir: Path) -> dict[str, 
     finished = summary is not None and "avg_acc" in summary
     cost: dict[str, Any] = {
         "run": label,
-        "releases": max(counts.values(), default=0),
+        # charged releases (privacy.release_schedule=once: at most one, re-sent after)
+        "releases": config.privacy.releases(max(counts.values(), default=0)),
         "epsilon": None,
         "finished": finished,
     }
@@ -845,7 +846,7 @@ def _run_cost(label: str, config: ExperimentConfig, run_dir: Path) -> dict[str, 
         if private and isinstance(recorded, Mapping):
             composed: dict[int, float] = {}
             for client, eps in recorded.items():
-                n = counts.get(str(client), 0)
+                n = config.privacy.releases(counts.get(str(client), 0))
                 if n not in composed:
                     events = [e for i in range(n) for e in mechanism.release_events(i)]
                     composed[n] = epsilon_spent(
@@ -876,7 +877,9 @@ def _selection_mechanism(config: ExperimentConfig) -> Any:
     key = repr((config.privacy, fed.rounds, config.backbone.proto_dim))
     if key not in _MECHANISMS:
         _MECHANISMS[key] = create_mechanism(
-            config.privacy, rounds=fed.rounds, dim=config.backbone.proto_dim
+            config.privacy,
+            rounds=config.privacy.releases(fed.rounds),
+            dim=config.backbone.proto_dim,
         )
     return _MECHANISMS[key]
 

@@ -16,7 +16,10 @@ constructor over it).  It holds:
 * its DCR hooks (:class:`~protofl.privacy.dcr.DCR`, no privacy cost) when the mechanism uses
   them;
 * its release limit: the mechanism refuses a release past the ``rounds`` it was calibrated for
-  (:meth:`releases_left`).
+  (:meth:`releases_left`);
+* its release schedule (``privacy.release_schedule``): with ``once`` the first release is the
+  only one charged and drawn, and every later call returns that same release (re-sending a
+  released value is post-processing: it costs nothing and draws nothing).
 
 :func:`release_many` releases several clients that share a mechanism at once (the vectorised
 path of batched execution), with the same draws and the same ledger entries as one
@@ -26,6 +29,7 @@ path of batched execution), with the same draws and the same ledger entries as o
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,6 +67,8 @@ class PrivateClient:
         self.name = name
         self.ledger = PrivacyLedger(delta=config.delta, accountant=config.accountant)
         self.dcr: DCR | None = None
+        # release_schedule=once: the one release made, re-sent by every later call
+        self.sent: Release | None = None
         if head is not None:
             self.attach_dcr(head)
 
@@ -96,7 +102,11 @@ class PrivateClient:
     ) -> Release:
         """Clip, average per class, add the calibrated noise from this client's key; the ledger
         is charged (entry ``round_index``, default the release's index) before it is returned.
-        Past the release limit the mechanism refuses, before any draw."""
+        Past the release limit the mechanism refuses, before any draw.  With
+        ``release_schedule: once``, a client that has released returns that release again
+        (nothing drawn, nothing charged)."""
+        if self.sent is not None:
+            return self.sent
         index = len(self.ledger.entries) if round_index is None else round_index
         out = self.mechanism.release(
             features,
@@ -107,7 +117,12 @@ class PrivateClient:
             cluster_fn=cluster_fn,
         )
         self.ledger.record(index, out)
+        self._keep(out)
         return out
+
+    def _keep(self, release: Release) -> None:
+        if self.config.release_schedule == "once":
+            self.sent = release
 
     def epsilon_spent(self) -> float | None:
         """Epsilon at the configured delta of every release so far (None without a
@@ -143,6 +158,7 @@ class PrivateClient:
             "ledger": self.ledger.state_dict(),
             "noise_gen": self.key.state_dict(),
             "dcr": None if self.dcr is None else self.dcr.state_dict(),
+            "sent": None if self.sent is None else dataclasses.asdict(self.sent),
         }
         if mechanism:
             state["mechanism"] = copy.deepcopy(self.mechanism_state())
@@ -159,6 +175,8 @@ class PrivateClient:
             if state.get("dcr") is None:
                 raise ValueError(f"{where}: client {self.name!r} has DCR but the state has none")
             self.dcr.load_state_dict(state["dcr"])
+        sent = state.get("sent")
+        self.sent = None if sent is None else Release(**sent)
         if "mechanism" in state:
             self.load_mechanism_state(state["mechanism"], alone=alone)
 
@@ -185,24 +203,33 @@ def release_many(
 ) -> list[Release]:
     """One release of each of ``clients`` (which share one mechanism), vectorised when the
     mechanism can (:meth:`~protofl.privacy.base.Mechanism.release_many`): the same draws from
-    each client's key and the same ledger entries as :meth:`PrivateClient.release` each."""
+    each client's key and the same ledger entries as :meth:`PrivateClient.release` each
+    (with ``release_schedule: once``, a client that has released re-sends that release)."""
     if not clients:
         return []
     mechanism = clients[0].mechanism
     if any(c.mechanism is not mechanism for c in clients):
         raise ValueError("release_many needs clients that share one calibrated mechanism")
-    releases = mechanism.release_many(
-        features,
-        labels,
-        num_classes=num_classes,
-        generators=[c.key for c in clients],
-        clients=[c.name for c in clients],
-        cluster_fn=cluster_fn,
-        vectorise=vectorise,
+    fresh = [i for i, c in enumerate(clients) if c.sent is None]
+    released = (
+        mechanism.release_many(
+            [features[i] for i in fresh],
+            [labels[i] for i in fresh],
+            num_classes=num_classes,
+            generators=[clients[i].key for i in fresh],
+            clients=[clients[i].name for i in fresh],
+            cluster_fn=cluster_fn,
+            vectorise=vectorise,
+        )
+        if fresh
+        else []
     )
-    for c, release in zip(clients, releases):
-        c.ledger.record(round_index, release)
-    return releases
+    out: list[Release | None] = [c.sent for c in clients]
+    for i, release in zip(fresh, released):
+        clients[i].ledger.record(round_index, release)
+        clients[i]._keep(release)
+        out[i] = release
+    return [r for r in out if r is not None]
 
 
 __all__ = ["PrivateClient", "own_entries", "release_many"]

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 VPP_VARIANTS = ("paper", "normalized", "once", "normalized_once", "history")
+RELEASE_SCHEDULES = ("every_round", "once")
 
 
 def _fail(key: str, value: object, allowed: str) -> None:
@@ -31,6 +32,9 @@ class PrivacyConfig:
     noise_seed: str = "auto"
     # releases of prototypes with fewer samples than this are logged as a warning
     warn_min_count: int = 5
+    # every_round: a fresh release each round a client takes part (the papers); once: the first
+    # release spends the whole budget and is re-sent unchanged afterwards (post-processing)
+    release_schedule: str = "every_round"
     # VPP (VPDR Sec. 4.2); paper defaults H=0.1, r=0.1, rho=0.2
     vpp_rho: float = 0.2
     vpp_ratio: float = 0.1
@@ -66,6 +70,8 @@ class PrivacyConfig:
             _fail("neighbouring", self.neighbouring, "replace_one, add_remove")
         if self.addremove_counts not in ("public", "noisy"):
             _fail("addremove_counts", self.addremove_counts, "public, noisy")
+        if self.release_schedule not in RELEASE_SCHEDULES:
+            _fail("release_schedule", self.release_schedule, ", ".join(RELEASE_SCHEDULES))
         if self.noise_seed not in ("auto", "derived", "secret"):
             _fail("noise_seed", self.noise_seed, "auto, derived, secret")
         if isinstance(self.warn_min_count, bool) or not isinstance(self.warn_min_count, int):
@@ -103,6 +109,11 @@ class PrivacyConfig:
     def base_mechanism(self) -> str:
         """The release mechanism (``vpdr`` resolves to ``vpp``)."""
         return "vpp" if self.mechanism == "vpdr" else self.mechanism
+
+    def releases(self, rounds: int) -> int:
+        """How many charged releases a client makes in ``rounds`` rounds of taking part: the
+        budget is calibrated for this many (``release_schedule: once``: at most one)."""
+        return min(rounds, 1) if self.release_schedule == "once" else rounds
 
     @property
     def counts_public(self) -> bool:

@@ -104,9 +104,14 @@ def describe_guarantee(
         if config.addremove_counts == "public"
         else "class counts released with noise and charged",
     }[config.neighbouring]
+    releases = (
+        "one release, re-sent unchanged: release_schedule once"
+        if config.release_schedule == "once"
+        else f"{rounds} releases"
+    )
     statement = (
         f"({config.epsilon:g}, {config.delta:g})-local DP per client over the whole run "
-        f"({rounds} releases), {config.neighbouring}, noise key {noise_key}"
+        f"({releases}), {config.neighbouring}, noise key {noise_key}"
     )
     statement += (
         "; complete" if complete else "; NOT covered: " + "; ".join(g.split(":")[0] for g in gaps)

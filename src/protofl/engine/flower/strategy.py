@@ -69,6 +69,7 @@ from protofl.engine.flower.codec import (
 )
 from protofl.engine.round import (
     RoundMetrics,
+    check_schedule,
     combine_weights,
     evaluation_plan,
     privacy_status,
@@ -283,6 +284,7 @@ class ProtoStrategy(Strategy):
         self.wait_timeout = float(wait_timeout)
         self.on_round = on_round
         self.poll_interval = poll_interval
+        check_schedule(config)  # a generated Flower app reaches the strategy directly
         fed = config.federation
         self.mechanism: Mechanism = create_mechanism(
             config.privacy, rounds=fed.rounds, dim=config.backbone.proto_dim
