@@ -143,9 +143,6 @@ ALLOWED_UPWARD: dict[tuple[str, str], str] = {
     ("protofl.engine.runner", "protofl.report.tensorboard"): (
         "run.tensorboard's per-round scalars; the logger could move into the engine"
     ),
-    ("protofl.engine.simulation", "protofl.report.norms"): (
-        "the per-round feature-norm statistics; a numpy-only helper that could move down"
-    ),
 }
 
 

@@ -23,6 +23,7 @@ import torch
 from protofl.config import ExperimentConfig
 from protofl.engine.client import Client
 from protofl.engine.federated_data import FederatedData
+from protofl.engine.norms import feature_norm_stats
 from protofl.engine.optimizers import make_optimizer
 from protofl.engine.round import (
     RoundMetrics,
@@ -45,7 +46,6 @@ from protofl.privacy.base import Mechanism, Release
 from protofl.privacy.client import PrivateClient, release_many
 from protofl.privacy.guarantee import describe_guarantee
 from protofl.privacy.noise import noise_key, resolve_noise_mode
-from protofl.report.norms import feature_norm_stats
 from protofl.seeding import Stream, derive_seed, generator
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from protofl.report.norms import QUANTILES, feature_norm_stats
+from protofl.engine.norms import QUANTILES, feature_norm_stats
 from protofl.report.tables import RunRecord, load_run
 
 __all__ = ["QUANTILES", "feature_norm_stats"]

@@ -1,4 +1,5 @@
-"""Feature-norm statistics (no plotting dependencies, so the engine can record them cheaply)."""
+"""Feature-norm statistics of a client's features (a local-only diagnostic the engine records each
+round, VPDR Fig. 4a; numpy only, no plotting: :mod:`protofl.report.plots` draws them)."""
 
 from __future__ import annotations
 
