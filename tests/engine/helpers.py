@@ -8,6 +8,25 @@ from typing import Any
 import pytest
 import torch
 
+from protofl.config import ExperimentConfig
+
+
+def toy_config(rounds: int, *extra: str) -> ExperimentConfig:
+    """The generated ``toy`` set (every training image) with the fast ``pixels`` backbone for
+    ``rounds`` rounds, no progress bar; ``extra`` overrides follow."""
+    return ExperimentConfig().with_overrides(
+        [
+            "data.name=toy",
+            "data.train_fraction=1",
+            "backbone.name=pixels",
+            "backbone.image_size=16",
+            "backbone.proto_dim=32",
+            f"federation.rounds={rounds}",
+            "run.progress=false",
+            *extra,
+        ]
+    )
+
 
 def stop_in_round(patch: pytest.MonkeyPatch, stop: int) -> None:
     """Make every Simulation raise KeyboardInterrupt (a Ctrl-C) as round ``stop`` (1-based)

@@ -17,27 +17,19 @@ from protofl.cli import build_parser, main
 from protofl.config import ConfigError, ExperimentConfig
 from protofl.engine import checkpoint
 from protofl.engine.checkpoint import load_latest_checkpoint, save_checkpoint
-from protofl.engine.runner import resume_experiment, run_experiment
-from tests.engine.helpers import checkpoint_differences, run_stopped_in_round, stop_in_round
+from protofl.engine.runner import resume_experiment, run_experiment, tensor_bytes
+from tests.engine.helpers import (
+    checkpoint_differences,
+    run_stopped_in_round,
+    stop_in_round,
+    toy_config,
+)
 
 TIMING = {"wall_s", "setup_s", "round_s", "run_dir", "environment"}
 
 
 def toy(rounds: int = 3, *extra: str) -> ExperimentConfig:
-    return ExperimentConfig().with_overrides(
-        [
-            "data.name=toy",
-            "data.train_fraction=1",
-            "backbone.name=pixels",
-            "backbone.image_size=16",
-            "backbone.proto_dim=32",
-            f"federation.rounds={rounds}",
-            "federation.local_epochs=1",
-            "run.progress=false",
-            "run.save_releases=false",
-            *extra,
-        ]
-    )
+    return toy_config(rounds, "federation.local_epochs=1", "run.save_releases=false", *extra)
 
 
 def saved(run_dir: Path) -> list[str]:
@@ -177,23 +169,13 @@ def test_shared_frozen_parameters_are_stored_once(tmp_path: Path, device: str) -
     assert n == 16 and frozen > 0
     path = save_checkpoint(tmp_path, 1, state)
     size = path.stat().st_size
-    entries = _tensor_bytes(state)  # each client's frozen projection counted
+    entries = tensor_bytes(state)  # each client's frozen projection counted
     assert size < entries - (n - 2) * frozen, (size, entries, frozen, n)  # stored once, not 16x
     loaded = load_latest_checkpoint(tmp_path)
     assert loaded is not None
     other, _, _ = _frozen_run(device)
     other.load_state_dict(loaded)
     assert checkpoint_differences(other.state_dict(), state) == []
-
-
-def _tensor_bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
 
 
 # ----- the console: size once, disk warning once -----------------------------------------------

@@ -22,24 +22,13 @@ from protofl.methods import create_method
 from protofl.methods.base import Upload
 from protofl.methods.validation import validate_upload
 from protofl.privacy.base import Release
-from tests.engine.helpers import checkpoint_differences, run_stopped_in_round
+from tests.engine.helpers import checkpoint_differences, run_stopped_in_round, toy_config
 
 TIMING = ("wall_s", "setup_s", "environment")
 
 
 def toy(rounds: int = 3, *extra: str) -> ExperimentConfig:
-    return ExperimentConfig().with_overrides(
-        [
-            "data.name=toy",
-            "data.train_fraction=1",
-            "backbone.name=pixels",
-            "backbone.image_size=16",
-            "backbone.proto_dim=32",
-            f"federation.rounds={rounds}",
-            "run.progress=false",
-            *extra,
-        ]
-    )
+    return toy_config(rounds, *extra)
 
 
 def comparable(summary: dict) -> dict:

@@ -9,20 +9,11 @@ import torch
 from protofl.cli import main
 from protofl.config import ExperimentConfig
 from protofl.engine.runner import run_experiment
-from tests.engine.helpers import stop_in_round
+from tests.engine.helpers import stop_in_round, toy_config
 
 
 def _toy(rounds: int = 2, **extra: str) -> ExperimentConfig:
-    over = [
-        "data.name=toy",
-        "data.train_fraction=1",
-        "backbone.name=pixels",
-        "backbone.image_size=16",
-        "backbone.proto_dim=32",
-        f"federation.rounds={rounds}",
-        "run.progress=false",
-    ] + [f"{k}={v}" for k, v in extra.items()]
-    return ExperimentConfig().with_overrides(over)
+    return toy_config(rounds, *(f"{k}={v}" for k, v in extra.items()))
 
 
 def test_run_folder_has_config_metrics_summary_and_log(tmp_path: Path) -> None:

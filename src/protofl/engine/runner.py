@@ -621,7 +621,7 @@ class RunSession:
             saved = -(-self.target // fed.checkpoint_every)  # every k-th round and the last
             total += size * (saved if fed.keep_checkpoints == 0 else fed.keep_checkpoints)
         if self.config.run.save_releases and sim.releases:
-            per_round = _tensor_bytes(sim.releases) / len(sim.releases)
+            per_round = tensor_bytes(sim.releases) / len(sim.releases)
             total += int(per_round * self.target)
         if self.state_dir is not None and self.state_dir.is_dir():
             total += sum(f.stat().st_blocks * 512 for f in self.state_dir.rglob("*") if f.is_file())
@@ -720,16 +720,16 @@ def disk_warning(config: ExperimentConfig, run_dir: Path, projected: int) -> str
     )
 
 
-def _tensor_bytes(value: Any) -> int:
+def tensor_bytes(value: Any) -> int:
     """Bytes of every tensor inside ``value`` (lists, dicts, tuples, release objects)."""
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
+        return sum(tensor_bytes(v) for v in value.values())
     if isinstance(value, list | tuple):
-        return sum(_tensor_bytes(v) for v in value)
+        return sum(tensor_bytes(v) for v in value)
     if hasattr(value, "__dataclass_fields__"):
-        return sum(_tensor_bytes(getattr(value, f)) for f in value.__dataclass_fields__)
+        return sum(tensor_bytes(getattr(value, f)) for f in value.__dataclass_fields__)
     return 0
 
 
