@@ -71,7 +71,7 @@ from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from scipy.stats import beta, norm
 
-from protofl.privacy.accounting import epsilon_spent, gaussian_epsilon, summarise_events
+from protofl.privacy.accounting import epsilon_spent, gaussian_epsilon, sampled_pld, split_events
 from protofl.privacy.base import MECHANISM_REGISTRY, Mechanism, private_mechanisms
 from protofl.privacy.config import PrivacyConfig
 from protofl.privacy.mechanisms import _PrototypeMechanism, release_many
@@ -126,9 +126,14 @@ def claim_from_events(
     """The privacy profile of ``events`` (one whole run's), composed: epsilon at ``delta`` by
     the PLD accountant; ``tv`` exact for Gaussians alone (mu-GDP: ``2 Phi(mu/2) - 1``), else
     from a pessimistic PLD (an upper bound: only ever lenient to the mechanism)."""
-    inv_z2, pure = summarise_events(events)
+    inv_z2, pure, sampled = split_events(events)
     pure = {e: n for e, n in pure.items() if e > 0}
     eps = epsilon_spent(list(events), delta=delta, accountant="pld")
+    if sampled:  # Poisson-subsampled releases: their (add/remove) PLD, pessimistic
+        tv = float(
+            sampled_pld(inv_z2, pure, sampled, interval=PLD_INTERVAL).get_delta_for_epsilon(0)
+        )
+        return Claim(kind, float(eps), float(delta), min(tv, 1.0))
     if not pure:
         mu = math.sqrt(inv_z2)
         return Claim(kind, float(eps), float(delta), float(2.0 * norm.cdf(mu / 2.0) - 1.0), mu)
@@ -496,6 +501,9 @@ class CanaryData:
     labels: torch.Tensor  # [K * class_size]
     class_size: int
     scale: float  # s * R
+    # replace_one: the canary is +-s R u (D or D'); add_remove: s R u present or a zero example
+    # in its place (absent: the special-element form of add/remove, counts fixed as public)
+    relation: str = "replace_one"
 
     @property
     def num_classes(self) -> int:
@@ -504,7 +512,9 @@ class CanaryData:
     def features(self, signs: torch.Tensor) -> torch.Tensor:
         """Data sets [N, K * class_size, d] for coins ``signs`` [N, K] (True: +)."""
         k, d = self.directions.shape
-        sgn = signs.to(torch.float64) * 2.0 - 1.0
+        sgn = signs.to(torch.float64)
+        if self.relation == "replace_one":
+            sgn = sgn * 2.0 - 1.0
         x = torch.zeros(signs.shape[0], k, self.class_size, d, dtype=torch.float64)
         x[:, :, 0] = sgn[..., None] * self.scale * self.directions
         return x.reshape(signs.shape[0], k * self.class_size, d)
@@ -518,12 +528,13 @@ def make_canary_data(
     class_size: int = 4,
     canary_scale: float = 10.0,
     seed: int = 0,
+    relation: str = "replace_one",
 ) -> CanaryData:
     """``canaries`` canary classes of ``class_size`` examples with their own flat directions."""
     g = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (canaries, dim), generator=g, dtype=torch.float64) * 2 - 1
     labels = torch.arange(canaries).repeat_interleave(class_size)
-    return CanaryData(signs / math.sqrt(dim), labels, class_size, canary_scale * clip)
+    return CanaryData(signs / math.sqrt(dim), labels, class_size, canary_scale * clip, relation)
 
 
 def _class_rows(release: Any, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -710,8 +721,13 @@ def audit_mechanism(
     config = PrivacyConfig(
         mechanism=name, epsilon=float(epsilon), delta=float(delta), clip=clip, **privacy
     )
-    if config.neighbouring != "replace_one":
-        _fail("neighbouring", config.neighbouring, "replace_one (the audit's relation)")
+    if config.neighbouring == "add_remove" and config.addremove_counts != "public":
+        _fail("addremove_counts", config.addremove_counts, "public (the audit's add/remove form)")
+    if config.sampled and "fast" in modes:
+        raise ValueError(
+            f"mode={mode!r}: fast mode simulates unsampled releases; a subsampled mechanism "
+            "(sample_rate < 1) is audited with mode='release'"
+        )
     cls = MECHANISM_REGISTRY.get(config.base_mechanism) if isinstance(mechanism, str) else mechanism
     cls = scaled_noise(cls, float(noise_scale))
 
@@ -764,7 +780,12 @@ def audit_mechanism(
         rng = np.random.default_rng(derive_seed(seed, Stream.AUDIT, 0, MODES.index(m)))
         signs = rng.random((clients, block)) < 0.5
         data = make_canary_data(
-            dim, clip, canaries=block, canary_scale=canary_scale, seed=derive_seed(seed, 2)
+            dim,
+            clip,
+            canaries=block,
+            canary_scale=canary_scale,
+            seed=derive_seed(seed, 2),
+            relation=config.neighbouring,
         )
         if m == "fast":
             gen = torch.Generator().manual_seed(derive_seed(seed, Stream.AUDIT, 2))

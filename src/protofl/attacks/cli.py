@@ -186,6 +186,8 @@ def _audit(args: argparse.Namespace, audit_mechanism: Any) -> dict[str, Any]:
         canaries=args.canaries,
         claim=args.claim,
         seed=args.seed,
+        neighbouring=args.neighbouring,
+        sample_rate=args.sample_rate,
     )
 
 
@@ -370,6 +372,18 @@ def add_attack_parsers(subparsers: Any) -> tuple[argparse.ArgumentParser, argpar
         help="audit a copy whose noise is scaled by F (F < 1 must be flagged: checks the auditor)",
     )
     audit.add_argument("--dim", type=int, default=32, help="feature dimension (default 32)")
+    audit.add_argument(
+        "--neighbouring",
+        choices=("replace_one", "add_remove"),
+        default="replace_one",
+        help="the relation audited (add_remove: the canary present or a zero example)",
+    )
+    audit.add_argument(
+        "--sample-rate",
+        type=float,
+        default=1.0,
+        help="Poisson subsampling q of each release (add_remove, igpp; release mode)",
+    )
     audit.add_argument("--seed", type=int, default=0)
     audit.add_argument("--json", action="store_true", help="print the result as JSON")
     audit.set_defaults(func=_cmd_audit)

@@ -16,11 +16,19 @@ Ledger events (JSON-safe dicts, see :func:`epsilon_spent`)::
 
     {"kind": "gaussian", "noise_multiplier": z}   # one Gaussian release, sensitivity-normalised
     {"kind": "pure", "epsilon": e0}               # one pure e0-DP release (VPP top-k selection)
+    {"kind": "poisson_gaussian", "noise_multiplier": z, "sample_rate": q}
+        # one Gaussian release of a Poisson subsample (each example kept with probability q,
+        # secretly); add/remove neighbouring only (amplification by subsampling)
+
+Subsampled events are composed as privacy-loss distributions (dp-accounting's subsampled
+Gaussian PLD, pessimistic) or by dp-accounting's RDP accountant; the closed forms above apply
+to the others.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import numbers
 from collections import Counter
@@ -248,9 +256,25 @@ def _compose(inv_z2: float, items: tuple[tuple[float, int], ...], delta: float, 
 
 
 def summarise_events(events: Iterable[Mapping[str, Any]]) -> tuple[float, dict[float, int]]:
-    """(sum of 1/z^2 over Gaussian events, {epsilon: count} of pure events); validates events."""
+    """(sum of 1/z^2 over Gaussian events, {epsilon: count} of pure events); validates events.
+    Subsampled events have no such summary: :func:`split_events` gives them too."""
+    inv_z2, pure, sampled = split_events(events)
+    if sampled:
+        raise ValueError(
+            "poisson_gaussian events (privacy.sample_rate < 1) have no Gaussian summary; "
+            "compose them with epsilon_spent"
+        )
+    return inv_z2, pure
+
+
+def split_events(
+    events: Iterable[Mapping[str, Any]],
+) -> tuple[float, dict[float, int], dict[tuple[float, float], int]]:
+    """(sum of 1/z^2 over Gaussian events, {epsilon: count} of pure events,
+    {(z, q): count} of subsampled Gaussian events); validates every event."""
     inv_z2 = 0.0
     pure: Counter[float] = Counter()
+    sampled: Counter[tuple[float, float]] = Counter()
     for ev in events:
         kind = ev.get("kind")
         if kind == "gaussian":
@@ -263,9 +287,24 @@ def summarise_events(events: Iterable[Mapping[str, Any]]) -> tuple[float, dict[f
             if not e >= 0:
                 raise ValueError(f"pure event with epsilon={e!r}; must be >= 0")
             pure[e] += 1
+        elif kind == "poisson_gaussian":
+            z, q = float(ev["noise_multiplier"]), float(ev["sample_rate"])
+            if not z > 0:
+                raise ValueError(f"poisson_gaussian event with noise_multiplier={z!r}; must be > 0")
+            if not 0 < q <= 1:
+                raise ValueError(
+                    f"poisson_gaussian event with sample_rate={q!r}; must be in (0, 1]"
+                )
+            if q == 1.0:
+                inv_z2 += 1.0 / (z * z)
+            else:
+                sampled[(z, q)] += 1
         else:
-            raise ValueError(f"unknown privacy event kind {kind!r}; expected 'gaussian' or 'pure'")
-    return inv_z2, dict(pure)
+            raise ValueError(
+                f"unknown privacy event kind {kind!r}; expected 'gaussian', 'pure' or "
+                "'poisson_gaussian'"
+            )
+    return inv_z2, dict(pure), dict(sampled)
 
 
 def epsilon_spent(
@@ -276,10 +315,169 @@ def epsilon_spent(
     ``{"kind": "gaussian", "noise_multiplier": z}`` is a Gaussian release with std z times its
     L2 sensitivity; ``{"kind": "pure", "epsilon": e}`` a pure e-DP release.
     """
-    inv_z2, pure = summarise_events(events)
+    inv_z2, pure, sampled = split_events(events)
+    if sampled:
+        return sampled_epsilon(inv_z2, pure, sampled, delta=delta, accountant=accountant)
     if inv_z2 == 0 and not pure:
         return 0.0
     return compose_epsilon(inv_z2, pure, delta=delta, accountant=accountant)
+
+
+# --------------------------------------------------------------------------------------------
+# Poisson-subsampled Gaussian releases (add/remove neighbouring)
+# --------------------------------------------------------------------------------------------
+SAMPLED_PLD_INTERVAL = 1e-3
+"""PLD discretisation of compositions holding subsampled releases (pessimistic; one value, so
+calibration and every ledger agree)."""
+
+
+SAMPLED_SIGMA_MIN = 0.25
+"""The smallest multiplier a subsampled release is calibrated to: below it the privacy-loss
+distribution grows like 1/z^2 bins (gigabytes at 0.01).  A budget that would allow less noise
+(epsilon in the tens) gets this multiplier: more noise than needed, never less."""
+
+
+def sampled_pld(
+    inv_z2: float,
+    pure: Mapping[float, int],
+    sampled: Mapping[tuple[float, float], int],
+    *,
+    interval: float = SAMPLED_PLD_INTERVAL,
+) -> Any:
+    """The pessimistic privacy-loss distribution (add/remove) of subsampled Gaussian releases
+    ``sampled`` ({(z, q): count}), composed with full-sample Gaussians (sum 1/z^2 = ``inv_z2``)
+    and pure-DP releases ``pure``."""
+    out: Any = None
+    for (z, q), n in sorted(sampled.items()):
+        p = pld_lib.from_gaussian_mechanism(
+            standard_deviation=z,
+            sampling_prob=q,
+            pessimistic_estimate=True,
+            value_discretization_interval=interval,
+        ).self_compose(n)
+        out = p if out is None else out.compose(p)
+    if inv_z2 > 0:
+        g = pld_lib.from_gaussian_mechanism(
+            standard_deviation=1.0 / math.sqrt(inv_z2),
+            pessimistic_estimate=True,
+            value_discretization_interval=interval,
+        )
+        out = g if out is None else out.compose(g)
+    items = tuple(sorted((float(e), int(n)) for e, n in pure.items() if e > 0 and n > 0))
+    if items:
+        p = _pure_pld(items, interval)
+        out = p if out is None else out.compose(p)
+    return out
+
+
+def sampled_epsilon(
+    inv_z2: float,
+    pure: Mapping[float, int],
+    sampled: Mapping[tuple[float, float], int],
+    *,
+    delta: float,
+    accountant: str = "pld",
+) -> float:
+    """Epsilon at ``delta`` (add/remove) of a composition holding Poisson-subsampled Gaussian
+    releases: ``pld`` a pessimistic PLD (:func:`sampled_pld`), ``rdp`` dp-accounting's RDP
+    accountant (``PoissonSampledDpEvent``).  ``rdp-classic`` has no subsampled form."""
+    check_accountant(accountant)
+    if not 0 < delta < 1:
+        _fail("delta", delta, "(0, 1)")
+    key = (
+        float(inv_z2),
+        tuple(sorted((float(e), int(n)) for e, n in pure.items() if e > 0 and n > 0)),
+        tuple(sorted((float(z), float(q), int(n)) for (z, q), n in sampled.items() if n > 0)),
+    )
+    return _sampled_epsilon(*key, float(delta), accountant)
+
+
+@functools.lru_cache(maxsize=1024)
+def _sampled_epsilon(
+    inv_z2: float,
+    items: tuple[tuple[float, int], ...],
+    sampled: tuple[tuple[float, float, int], ...],
+    delta: float,
+    accountant: str,
+) -> float:
+    groups = {(z, q): n for z, q, n in sampled}
+    if accountant == "pld":
+        return float(sampled_pld(inv_z2, dict(items), groups).get_epsilon_for_delta(delta))
+    if accountant == "rdp":
+        absl = logging.getLogger("absl")  # its fractional-order series warns and drops orders
+        level = absl.level
+        absl.setLevel(logging.ERROR)
+        try:
+            return _sampled_rdp(inv_z2, items, groups, delta)
+        finally:
+            absl.setLevel(level)
+    raise ValueError(
+        "accountant='rdp-classic' cannot compose Poisson-subsampled releases "
+        "(privacy.sample_rate < 1); use pld or rdp"
+    )
+
+
+def _sampled_rdp(
+    inv_z2: float,
+    items: tuple[tuple[float, int], ...],
+    groups: Mapping[tuple[float, float], int],
+    delta: float,
+) -> float:
+    """dp-accounting's RDP accountant over subsampled and full Gaussians and pure releases."""
+    acc = RdpAccountant()
+    for (z, q), n in groups.items():
+        event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
+        acc.compose(dp_accounting.SelfComposedDpEvent(event, n))
+    if inv_z2 > 0:
+        acc.compose(dp_accounting.GaussianDpEvent(1.0 / math.sqrt(inv_z2)))
+    for e, n in items:
+        acc.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.ZCDpEvent(e * e / 2.0), n))
+    return float(acc.get_epsilon(delta))
+
+
+def calibrate_sampled(
+    epsilon: float, delta: float, rounds: int, sample_rate: float, accountant: str = "pld"
+) -> float:
+    """Smallest noise multiplier z (up to a relative 1e-4, rounded up) such that ``rounds``
+    Gaussian releases of Poisson subsamples at rate ``sample_rate`` are (epsilon, delta)-DP
+    under add/remove.  The full-sample multiplier is a valid upper bound (subsampling never
+    costs privacy under add/remove); geometric bisection below it; cached."""
+    check_budget(epsilon, delta, rounds)
+    check_accountant(accountant)
+    if not (isinstance(sample_rate, int | float) and 0 < sample_rate <= 1):
+        _fail("sample_rate", sample_rate, "(0, 1]")
+    if sample_rate == 1:
+        return calibrate_gaussian(epsilon, delta, rounds, accountant)
+    return _calibrate_sampled(
+        float(epsilon), float(delta), int(rounds), float(sample_rate), accountant
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _calibrate_sampled(
+    epsilon: float, delta: float, rounds: int, q: float, accountant: str
+) -> float:
+    def spent(z: float) -> float:
+        return sampled_epsilon(0.0, {}, {(z, q): rounds}, delta=delta, accountant=accountant)
+
+    if spent(SAMPLED_SIGMA_MIN) <= epsilon:
+        return SAMPLED_SIGMA_MIN  # more noise than the budget needs: the safe side
+    hi = calibrate_gaussian(epsilon, delta, rounds, "rdp" if accountant == "rdp" else "pld")
+    hi = max(hi, SAMPLED_SIGMA_MIN)
+    while spent(hi) > epsilon:  # a discretisation hair above: step up (never below target)
+        hi *= 1.01
+        if hi > _SIGMA_MAX:
+            raise RuntimeError(f"could not calibrate sigma to epsilon={epsilon}")
+    lo = max(hi / 2.0, SAMPLED_SIGMA_MIN)
+    while spent(lo) <= epsilon:
+        hi, lo = lo, max(lo / 2.0, SAMPLED_SIGMA_MIN)
+    while hi / lo - 1.0 > _REL_TOL:
+        mid = math.sqrt(lo * hi)
+        if spent(mid) > epsilon:
+            lo = mid
+        else:
+            hi = mid
+    return hi
 
 
 # --------------------------------------------------------------------------------------------

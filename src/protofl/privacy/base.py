@@ -277,6 +277,7 @@ def vectorisable(
     floating dtype, labels in range."""
     return (
         cluster_fn is None
+        and not config.sampled  # a Poisson subsample per client: the per-client release
         and not (config.neighbouring == "add_remove" and config.addremove_counts == "noisy")
         and len({id(g) for g in generators}) == len(generators)
         and all(g.device.type == "cpu" for g in generators)

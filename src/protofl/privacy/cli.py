@@ -19,6 +19,7 @@ from protofl.privacy.accounting import (
     SPLITS,
     VPP_VARIANTS,
     calibrate_gaussian,
+    calibrate_sampled,
     calibrate_vpp,
 )
 from protofl.privacy.base import create_mechanism, private_mechanisms
@@ -44,7 +45,21 @@ def add_privacy_parser(subparsers: Any) -> argparse.ArgumentParser:
     cal.add_argument("--ratio", type=float, default=0.1)
     cal.add_argument("--score-max", type=float, default=0.1, help="H, the score clip")
     cal.add_argument("--dim", type=int, default=512)
+    cal.add_argument("--neighbouring", choices=("replace_one", "add_remove"), default="replace_one")
+    cal.add_argument(
+        "--sample-rate", type=float, default=1.0, help="Poisson subsampling q (add_remove, igpp)"
+    )
     cal.add_argument("--json", action="store_true", help="print one JSON object")
+
+    smp = sub.add_parser(
+        "sampling", help="noise on a class mean with Poisson subsampling vs without (add_remove)"
+    )
+    smp.add_argument("--epsilons", type=float, nargs="+", default=[0.5, 1.0, 2.0])
+    smp.add_argument("--rounds", type=int, nargs="+", default=[1, 20, 100])
+    smp.add_argument("--rates", type=float, nargs="+", default=[0.05, 0.1, 0.3, 0.5, 1.0])
+    smp.add_argument("--delta", type=float, default=1e-5)
+    smp.add_argument("--accountant", choices=("pld", "rdp"), default="pld")
+    smp.add_argument("--json", action="store_true")
 
     tab = sub.add_parser("table", help="sigma for several epsilons under every accountant")
     tab.add_argument("--epsilons", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0, 8.0])
@@ -87,6 +102,8 @@ def _calibrate(args: argparse.Namespace) -> dict[str, Any]:
         vpp_rho=args.rho,
         vpp_ratio=args.ratio,
         vpp_score_max=args.score_max,
+        neighbouring=args.neighbouring,
+        sample_rate=args.sample_rate,
     )
     if args.rounds < 1:
         raise ValueError(f"--rounds={args.rounds} is not allowed; choose an integer >= 1")
@@ -97,9 +114,49 @@ def _calibrate(args: argparse.Namespace) -> dict[str, Any]:
         "epsilon": args.epsilon,
         "delta": args.delta,
         "rounds": args.rounds,
+        "neighbouring": args.neighbouring,
     }
+    if config.sampled:
+        out["sample_rate"] = args.sample_rate
     out.update({k: v for k, v in mechanism.calibration().items() if k not in out})
     return out
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """Per (epsilon, T, q): the subsampled multiplier z_q and the noise it puts on a class mean
+    with the fixed denominator q*n, z_q / q (in units of R/n), against the full-sample z_1."""
+    rows = []
+    for eps in args.epsilons:
+        for t in args.rounds:
+            full = calibrate_gaussian(eps, args.delta, t, args.accountant)
+            for q in args.rates:
+                z = calibrate_sampled(eps, args.delta, t, q, args.accountant)
+                rows.append(
+                    {
+                        "epsilon": eps,
+                        "rounds": t,
+                        "sample_rate": q,
+                        "sigma": z,
+                        "noise_on_mean": z / q,
+                        "full_sample_sigma": full,
+                        "ratio": z / q / full,
+                    }
+                )
+    return {"delta": args.delta, "accountant": args.accountant, "rows": rows}
+
+
+def _print_sampling(res: dict[str, Any]) -> None:
+    print(
+        f"Poisson subsampling, add_remove, delta={res['delta']:g}, {res['accountant']}: noise std "
+        "on a class mean in units of R/n (fixed denominator q*n)"
+    )
+    print("| epsilon | T | q | sigma_q | sigma_q / q | sigma (q=1) | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for r in res["rows"]:
+        print(
+            f"| {r['epsilon']:g} | {r['rounds']} | {r['sample_rate']:g} | {r['sigma']:.3f} | "
+            f"{r['noise_on_mean']:.3f} | {r['full_sample_sigma']:.3f} | {r['ratio']:.3f} |"
+        )
 
 
 def _print_calibration(res: dict[str, Any]) -> None:
@@ -109,7 +166,11 @@ def _print_calibration(res: dict[str, Any]) -> None:
     )
     print(head)
     if "sigma_A" not in res:
-        print(f"  sigma = {res['sigma']:.4f}   (noise std per dim = sigma * 2R/n)")
+        q = res.get("sample_rate", 1.0)
+        delta = "2R/n" if res.get("neighbouring") == "replace_one" else "R/n"
+        if q < 1:
+            delta = f"R/({q:g} n): Poisson subsample, fixed denominator"
+        print(f"  sigma = {res['sigma']:.4f}   (noise std per dim = sigma * {delta})")
         return
     lam = res["laplace_scale"]
     print(f"  split={res['split']}, variant={res['variant']}, k=d_A={res['k']} of {res['dim']}")
@@ -250,6 +311,9 @@ def run_privacy(args: argparse.Namespace) -> int:
         elif args.privacy_command == "table":
             res = _table(args)
             printer = _print_table
+        elif args.privacy_command == "sampling":
+            res = _sampling(args)
+            printer = _print_sampling
         elif args.privacy_command == "overlap":
             res = _overlap(args)
             printer = _print_overlap

@@ -35,6 +35,10 @@ class PrivacyConfig:
     # every_round: a fresh release each round a client takes part (the papers); once: the first
     # release spends the whole budget and is re-sent unchanged afterwards (post-processing)
     release_schedule: str = "every_round"
+    # Poisson subsampling of each release (IGPP, add_remove): every example enters a release
+    # independently with this probability, drawn from the client's noise key (secret from the
+    # server); public counts divide by the fixed q*n.  1: no subsampling (the papers)
+    sample_rate: float = 1.0
     # VPP (VPDR Sec. 4.2); paper defaults H=0.1, r=0.1, rho=0.2
     vpp_rho: float = 0.2
     vpp_ratio: float = 0.1
@@ -72,6 +76,7 @@ class PrivacyConfig:
             _fail("addremove_counts", self.addremove_counts, "public, noisy")
         if self.release_schedule not in RELEASE_SCHEDULES:
             _fail("release_schedule", self.release_schedule, ", ".join(RELEASE_SCHEDULES))
+        self._check_sampling()
         if self.noise_seed not in ("auto", "derived", "secret"):
             _fail("noise_seed", self.noise_seed, "auto, derived, secret")
         if isinstance(self.warn_min_count, bool) or not isinstance(self.warn_min_count, int):
@@ -104,6 +109,33 @@ class PrivacyConfig:
             _fail("dcr_warmup_steps", self.dcr_warmup_steps, "integers >= 0")
         if self.dcr_warmup_steps < 0:
             _fail("dcr_warmup_steps", self.dcr_warmup_steps, "integers >= 0")
+
+    def _check_sampling(self) -> None:
+        q = self.sample_rate
+        if isinstance(q, bool) or not isinstance(q, int | float) or not 0 < q <= 1:
+            _fail("sample_rate", q, "(0, 1]")
+        if q == 1 or self.base_mechanism == "none":
+            return  # mechanism none releases exact means: there is nothing to subsample
+        if self.neighbouring != "add_remove":
+            raise ValueError(
+                f"privacy.sample_rate={q!r} amplifies privacy under add/remove neighbouring only; "
+                "set privacy.neighbouring=add_remove (or privacy.sample_rate=1)"
+            )
+        if self.base_mechanism != "igpp":
+            raise ValueError(
+                f"privacy.sample_rate={q!r} is accounted for mechanism igpp only (VPP's private "
+                f"subspace selection is not subsampled); privacy.mechanism={self.mechanism!r}"
+            )
+        if self.accountant == "rdp-classic":
+            raise ValueError(
+                f"privacy.sample_rate={q!r} needs privacy.accountant pld or rdp (rdp-classic "
+                "has no subsampled form)"
+            )
+
+    @property
+    def sampled(self) -> bool:
+        """Whether releases are Poisson-subsampled (``sample_rate < 1`` on a private release)."""
+        return self.sample_rate < 1 and self.base_mechanism != "none"
 
     @property
     def base_mechanism(self) -> str:

@@ -113,6 +113,11 @@ def describe_guarantee(
         f"({config.epsilon:g}, {config.delta:g})-local DP per client over the whole run "
         f"({releases}), {config.neighbouring}, noise key {noise_key}"
     )
+    if config.sampled:
+        statement += (
+            f", each release a Poisson subsample at rate {config.sample_rate:g} (amplification "
+            "by subsampling: the sample stays secret only if the noise key does)"
+        )
     statement += (
         "; complete" if complete else "; NOT covered: " + "; ".join(g.split(":")[0] for g in gaps)
     )
@@ -122,6 +127,7 @@ def describe_guarantee(
         "rounds": rounds,
         "neighbouring": config.neighbouring,
         "counts": counts,
+        **({"sample_rate": config.sample_rate} if config.sampled else {}),
         "noise_key": noise_key,
         "noise_key_note": NOISE_KEY_NOTES[noise_key],
         "covers": "every prototype release of the client's training data over the run",

@@ -6,7 +6,7 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from protofl.privacy.accounting import check_accountant, summarise_events
+from protofl.privacy.accounting import check_accountant, split_events
 from protofl.privacy.base import Release
 
 
@@ -38,7 +38,7 @@ class PrivacyLedger:
         if mechanism == "none":
             self.private = False
         copied = [dict(e) for e in events]
-        summarise_events(copied)  # validate now, not at the end of the run
+        split_events(copied)  # validate now, not at the end of the run
         self.entries.append({"round": round_index, "events": copied})
 
     def events(self) -> list[dict[str, Any]]:

@@ -25,7 +25,12 @@ from typing import Any
 
 import torch
 
-from protofl.privacy.accounting import VppBudget, calibrate_gaussian, calibrate_vpp
+from protofl.privacy.accounting import (
+    VppBudget,
+    calibrate_gaussian,
+    calibrate_sampled,
+    calibrate_vpp,
+)
 from protofl.privacy.base import (
     MECHANISM_REGISTRY,
     ClusterFn,
@@ -37,7 +42,13 @@ from protofl.privacy.base import (
     group_means,
 )
 from protofl.privacy.config import PrivacyConfig
-from protofl.privacy.noise import NoiseSource, draw_laplace, draw_normal, draw_permutation
+from protofl.privacy.noise import (
+    NoiseSource,
+    draw_laplace,
+    draw_normal,
+    draw_permutation,
+    draw_uniform,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -178,11 +189,22 @@ class _PrototypeMechanism(Mechanism):
         num_classes: int,
         mask_a: torch.Tensor | None,
         cluster_fn: ClusterFn | None,
+        keep: torch.Tensor | None = None,
     ) -> _Built:
         cfg = self.config
         clipped = self._clip(features, mask_a)
         unit = self._unit_std(mask_a).to(device=features.device, dtype=features.dtype)
         r = cfg.clip
+        if keep is not None:
+            if cluster_fn is not None:
+                raise ValueError(
+                    "privacy.sample_rate < 1 cannot release per-cluster prototypes (the clusters "
+                    "depend on the data); use class prototypes or sample_rate 1"
+                )
+            if cfg.addremove_counts == "public":
+                return self._build_sampled(clipped, labels, num_classes, unit, keep)
+            # noisy counts: the noisy sum and noisy count of the subsample, as below
+            clipped, labels = clipped[keep], labels[keep]
         if cfg.neighbouring == "add_remove" and cfg.addremove_counts == "noisy":
             if cluster_fn is not None:
                 raise ValueError(
@@ -214,6 +236,52 @@ class _PrototypeMechanism(Mechanism):
             sensitivity=(factor * r / n.squeeze(1)).cpu(),
             noise_std=factor * unit.unsqueeze(0) / n,
         )
+
+    def _build_sampled(
+        self,
+        clipped: torch.Tensor,
+        labels: torch.Tensor,
+        num_classes: int,
+        unit: torch.Tensor,
+        keep: torch.Tensor,
+    ) -> _Built:
+        """Add/remove with public counts, Poisson subsample ``keep``: the class sums of the
+        sampled clipped features over the FIXED denominator q*n_c (n_c the public class count,
+        not the realised sample size), so one example moves one class's release by at most
+        R/(q n_c): the subsampled Gaussian on the sum, scaled."""
+        q = self.config.sample_rate
+        full = torch.bincount(labels, minlength=num_classes)
+        classes = (full > 0).nonzero().flatten()
+        sums = torch.zeros(num_classes, self.dim, dtype=clipped.dtype, device=clipped.device)
+        sums.index_add_(0, labels[keep], clipped[keep])
+        counts = full[classes]
+        denom = q * counts.to(device=clipped.device, dtype=clipped.dtype).unsqueeze(1)
+        return _Built(
+            protos=sums[classes] / denom,
+            classes=classes.cpu(),
+            counts=counts.cpu(),
+            sensitivity=(self.config.clip / denom.squeeze(1)).cpu(),
+            noise_std=unit.unsqueeze(0) / denom,
+        )
+
+    def _sample(self, n: int, generator: NoiseSource, device: torch.device) -> torch.Tensor | None:
+        """The Poisson subsample of one release (``privacy.sample_rate``): each of the ``n``
+        examples kept with probability q, from the client's noise key; None when q = 1."""
+        if not self.config.sampled:
+            return None
+        return (draw_uniform(generator, (n,), "poisson-sample") < self.config.sample_rate).to(
+            device
+        )
+
+    def _gaussian_event(self) -> dict[str, Any]:
+        """The ledger event of one release's Gaussian (subsampled when ``sample_rate < 1``)."""
+        if self.config.sampled:
+            return {
+                "kind": "poisson_gaussian",
+                "noise_multiplier": self.sigma,
+                "sample_rate": self.config.sample_rate,
+            }
+        return {"kind": "gaussian", "noise_multiplier": self.sigma}
 
     def _check(
         self, features: torch.Tensor, labels: torch.Tensor, num_classes: int, client: str
@@ -306,7 +374,7 @@ class _PrototypeMechanism(Mechanism):
         protos, classes, counts, sens, std = self._noisy(built, generator, dtype)
         if built.protos.shape[0] > 0:
             # all per-class releases of one round compose in parallel: one Gaussian event
-            events = [*events, {"kind": "gaussian", "noise_multiplier": self.sigma}]
+            events = [*events, self._gaussian_event()]
         return Release(
             prototypes=protos,
             classes=classes,
@@ -338,6 +406,12 @@ class _PrototypeMechanism(Mechanism):
         }
         if cfg.neighbouring == "add_remove":
             out["addremove_counts"] = cfg.addremove_counts
+        if cfg.sampled:
+            out["sample_rate"] = cfg.sample_rate
+            out["sampling"] = (
+                "Poisson: each example enters a release with probability sample_rate, drawn "
+                "from the client's noise key; public counts divide by the fixed sample_rate*n"
+            )
         return out
 
     def max_noise_std(self, count: int) -> float | None:
@@ -346,7 +420,7 @@ class _PrototypeMechanism(Mechanism):
         if cfg.neighbouring == "replace_one":
             factor = 2.0
         elif cfg.addremove_counts == "public":
-            factor = 1.0
+            factor = 1.0 / cfg.sample_rate if cfg.sampled else 1.0  # fixed denominator q*n
         else:
             factor = math.sqrt(2.0)  # noisy sum / released (noisy) count
         return factor * float(self._max_unit_std()) / max(int(count), 1)
@@ -357,7 +431,7 @@ class _PrototypeMechanism(Mechanism):
 
     def release_events(self, release_index: int) -> list[dict[str, Any]]:
         """One Gaussian event of multiplier ``sigma`` per release (VPP adds its selection)."""
-        return [{"kind": "gaussian", "noise_multiplier": self.sigma}]
+        return [self._gaussian_event()]
 
     # --- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -427,7 +501,12 @@ class IGPP(_PrototypeMechanism):
 
     def __init__(self, config: PrivacyConfig, *, rounds: int, dim: int) -> None:
         super().__init__(config, rounds=rounds, dim=dim)
-        self.sigma = calibrate_gaussian(config.epsilon, config.delta, rounds, config.accountant)
+        if config.sampled:
+            self.sigma = calibrate_sampled(
+                config.epsilon, config.delta, rounds, config.sample_rate, config.accountant
+            )
+        else:
+            self.sigma = calibrate_gaussian(config.epsilon, config.delta, rounds, config.accountant)
         self._k = min(max(math.ceil(config.vpp_rho * dim - 1e-9), 1), dim - 1)
 
     def _clip(self, features: torch.Tensor, mask_a: torch.Tensor | None) -> torch.Tensor:
@@ -485,7 +564,8 @@ class IGPP(_PrototypeMechanism):
             if self.config.igpp_group_clip
             else None
         )
-        built = self._build(features, labels, num_classes, mask, cluster_fn)
+        keep = self._sample(features.shape[0], generator, features.device)
+        built = self._build(features, labels, num_classes, mask, cluster_fn, keep)
         self._warn_small(built, client)
         return self._finish(
             built,
@@ -534,7 +614,10 @@ class IGPP(_PrototypeMechanism):
         """sigma, accountant, budget, neighbouring relation, clip."""
         out = self._describe_common()
         out["group_clip"] = self.config.igpp_group_clip
-        out["noise_std_per_dim"] = "sigma * Delta, Delta = 2R/n (replace_one) or R/n (add_remove)"
+        out["noise_std_per_dim"] = (
+            "sigma * Delta, Delta = 2R/n (replace_one) or R/n (add_remove; R/(q n) with "
+            "sample_rate q and public counts)"
+        )
         return out
 
 
@@ -715,7 +798,7 @@ class VPP(_PrototypeMechanism):
             variant in ("once", "normalized_once") and release_index == 0
         )
         pure = [{"kind": "pure", "epsilon": self.budget.eps_select}] if selects else []
-        return [*pure, {"kind": "gaussian", "noise_multiplier": self.sigma}]
+        return [*pure, self._gaussian_event()]
 
     def group_sensitivity(self, count: int) -> tuple[float, float]:
         """(Delta_A, Delta_B) of a prototype of ``count`` examples: 2R_g/n (replace-one)."""
@@ -1026,7 +1109,7 @@ def _private_block(
             )
         ev = events[i]
         if per[i] > 0:
-            ev = [*ev, {"kind": "gaussian", "noise_multiplier": mech.sigma}]
+            ev = [*ev, mech._gaussian_event()]
         release = Release(
             # the [k, d] tensors get their own storage (a single release saved alone stays
             # small); the [k] ones are views of the block's few-kB vectors

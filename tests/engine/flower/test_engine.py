@@ -1636,3 +1636,23 @@ def test_extending_a_flower_run_composes_every_release_on_both_sides(
     }
     ext = json.loads((run_dir / "extensions.json").read_text())["extensions"]
     assert [(e["from_round"], e["to_round"], e["engine"]) for e in ext] == [(3, 5, "flower")]
+
+
+def test_a_subsampled_flower_run_equals_the_simulator_and_charges_the_sampled_events(
+    tmp_path: Path,
+) -> None:
+    """privacy.sample_rate (issue 44): the Poisson sample is drawn from each client's noise key
+    on either engine, and the node's ledger composes the subsampled events to the budget."""
+    config = tiny_config("fedproto", "igpp").with_overrides(
+        ["privacy.neighbouring=add_remove", "privacy.sample_rate=0.3"]
+    )
+    data = build_federated_data(config, tmp_path / "home")
+    reference = Simulation(config, data).run()
+    result = run_flower_simulation(config, home=tmp_path / "home", backend="inline", out=tmp_path)
+    assert comparable(result.history) == comparable(reference)
+    spent = reference[-1].privacy["epsilon_spent"]
+    assert set(spent) == {"red", "blue"}
+    assert all(0.99 < e <= config.privacy.epsilon for e in spent.values())
+    summary = json.loads((result.run_dir / "summary.json").read_text())  # type: ignore[operator]
+    assert summary["privacy"]["guarantee"]["sample_rate"] == 0.3
+    assert "Poisson subsample at rate 0.3" in summary["privacy"]["guarantee"]["statement"]
