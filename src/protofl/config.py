@@ -211,7 +211,7 @@ class FederationConfig:
         check_range("federation.rounds", self.rounds, low=1)
         check_range("federation.eval_every", self.eval_every, low=1)
         check_range("federation.eval_samples", self.eval_samples, low=0)
-        check_range("federation.local_epochs", self.local_epochs, low=1)
+        check_range("federation.local_epochs", self.local_epochs, low=0)  # 0: no training
         check_range("federation.checkpoint_every", self.checkpoint_every, low=1)
         check_range("federation.keep_checkpoints", self.keep_checkpoints, low=0)
         check_range("federation.batch_size", self.batch_size, low=1)

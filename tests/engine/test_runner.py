@@ -9,6 +9,7 @@ import torch
 from protofl.cli import main
 from protofl.config import ExperimentConfig
 from protofl.engine.runner import run_experiment
+from protofl.errors import ConfigError
 from tests.engine.helpers import stop_in_round, toy_config
 
 
@@ -308,12 +309,8 @@ def test_extend_refuses_unfinished_runs_and_bad_rounds_in_one_line(
     assert "is not a run folder" in capsys.readouterr().err
 
 
-def test_release_schedule_once_extends_without_spending_and_refuses_flower(
-    tmp_path: Path,
-) -> None:
-    from protofl.engine.engines import run_engine
+def test_release_schedule_once_extends_without_spending(tmp_path: Path) -> None:
     from protofl.engine.runner import extend_experiment
-    from protofl.errors import ConfigError
 
     config = _toy(2, **{"privacy.mechanism": "igpp", "privacy.release_schedule": "once"})
     first = run_experiment(config, out=tmp_path / "runs")
@@ -324,7 +321,47 @@ def test_release_schedule_once_extends_without_spending_and_refuses_flower(
     assert privacy["guarantee"]["epsilon"] == eps  # the one release is re-sent: no new cost
     assert max(privacy["epsilon_spent"].values()) == pytest.approx(eps, rel=1e-3)
     assert result.summary["rounds"] == 4
-    out = tmp_path / "flower"
-    with pytest.raises(ConfigError, match=r"release_schedule='once' runs on run.engine='sim'"):
-        run_engine(config.with_overrides(["run.engine=flower", f"run.out_dir={out}"]))
-    assert not out.exists()
+
+
+def test_one_shot_private_class_means_classify_by_nearest_mean_with_a_complete_guarantee(
+    tmp_path: Path,
+) -> None:
+    """Issue 44, item 2: every client releases its class means once with the whole budget
+    (release_schedule once), nothing trains (local_epochs 0) and the server's global means
+    classify by nearest mean (fedproto eval: prototype).  No model depends on the private data
+    beyond the release, so with a secret key nothing is listed as not covered; batched and
+    sequential execution agree."""
+    overrides = {
+        "privacy.mechanism": "igpp",
+        "privacy.release_schedule": "once",
+        "privacy.noise_seed": "secret",
+        "federation.local_epochs": "0",
+        "method.params.eval": "prototype",
+    }
+    seq = run_experiment(_toy(1, **overrides), out=tmp_path / "seq")
+    guarantee = seq.summary["privacy"]["guarantee"]
+    assert guarantee["complete"] and guarantee["not_covered"] == []
+    assert "one release" in guarantee["statement"]
+    assert seq.summary["final_train_loss"] == 0.0
+    derived = {**overrides, "privacy.noise_seed": "derived"}
+    a = run_experiment(_toy(1, **derived), out=tmp_path / "a")
+    b = run_experiment(
+        _toy(1, **derived, **{"federation.execution": "batched"}), out=tmp_path / "b"
+    )
+    assert a.summary["acc"] == b.summary["acc"]
+    # training between releases brings the gaps back
+    trained = run_experiment(
+        _toy(
+            2,
+            **{
+                **overrides,
+                "federation.local_epochs": "1",
+                "privacy.release_schedule": "every_round",
+            },
+        ),
+        out=tmp_path / "t",
+    )
+    gaps = " ".join(trained.summary["privacy"]["guarantee"]["not_covered"])
+    assert "trained feature map" in gaps and "per-client evaluation" in gaps
+    with pytest.raises(ConfigError, match=r"federation\.local_epochs"):
+        _toy(1, **{"federation.local_epochs": "-1"})

@@ -1128,8 +1128,11 @@ class BatchedTrainer:
             sim.method.begin_local(c.model, c.state, sim.global_state, c.data.client)
             c.model.train()
         store.adopt_all(clients)
-        losses = [math.nan] * len(clients)
-        for group in self.groups(clients):
+        if sim.config.federation.local_epochs == 0:  # no training: as sequential, loss 0
+            groups, losses = [], [0.0] * len(clients)
+        else:
+            groups, losses = self.groups(clients), [math.nan] * len(clients)
+        for group in groups:
             for pos, loss in zip(group.positions, self._train_group(group)):
                 losses[pos] = loss
             store.page_out(group.rows.tolist())

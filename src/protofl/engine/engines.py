@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from protofl.config import ExperimentConfig
-from protofl.engine.round import check_schedule
 from protofl.errors import ConfigError
 from protofl.registry import Registry
 
@@ -220,7 +219,6 @@ def run_engine(config: ExperimentConfig, options: EngineOptions | None = None) -
     """Run ``config`` on the engine ``run.engine`` names (an unknown name fails first, with
     the valid ones)."""
     engine = ENGINE_REGISTRY.get(config.run.engine)
-    check_schedule(config)
     from protofl.methods.scope import warn_mechanism_scope
 
     warn_mechanism_scope(config)
@@ -236,7 +234,6 @@ def in_dir_engine(config: ExperimentConfig) -> Engine:
         engine = ENGINE_REGISTRY.get(name)
     except ValueError as exc:
         raise ConfigError(f"run.engine={name!r}: {exc}") from None
-    check_schedule(config)
     if engine.run_in_dir is None:
         able = [n for n in ENGINE_REGISTRY.names() if ENGINE_REGISTRY.get(n).run_in_dir]
         raise ConfigError(

@@ -32,8 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from protofl.config import WEIGHT_RULES, ExperimentConfig, FederationConfig
-from protofl.errors import ConfigError
+from protofl.config import WEIGHT_RULES, FederationConfig
 from protofl.methods.base import Upload, WeightPlan
 from protofl.methods.validation import validate_upload
 from protofl.models.device import to_device
@@ -100,17 +99,6 @@ class RoundMetrics:
         fields = {k: v for k, v in data.items() if k != "local_only"}
         fields.setdefault("train_loss", math.nan)
         return cls(**fields)
-
-
-def check_schedule(config: ExperimentConfig) -> None:
-    """``privacy.release_schedule: once`` runs on the in-process engine only, for now: the
-    Flower strategy's and the nodes' ledgers charge every release they see; a one-line
-    :class:`~protofl.errors.ConfigError` before anything is created."""
-    if config.privacy.release_schedule == "once" and config.run.engine != "sim":
-        raise ConfigError(
-            f"privacy.release_schedule='once' runs on run.engine='sim' only for now, not "
-            f"{config.run.engine!r} (its ledgers would charge every re-sent release)"
-        )
 
 
 # ----- 1. participants ---------------------------------------------------------------------------

@@ -631,10 +631,12 @@ class Simulation:
             shares_weights=self.method.shares_weights,
             uses_prototypes=self.method.uses_prototypes,
             other_uploads=self.method.extra_uploads,
-            # every round's per-client accuracy is in metrics.jsonl, the server's view
-            evaluation_reported=True,
-            # every client trains its adapter/projection between releases
-            trained_feature_map=True,
+            # every round's per-client accuracy is in metrics.jsonl, the server's view (of a
+            # model that depends on the private data unless nothing trains on it)
+            evaluation_reported=self.config.federation.local_epochs > 0
+            or self.method.uses_training_data,
+            # every client trains its adapter/projection between releases (local_epochs > 0)
+            trained_feature_map=self.config.federation.local_epochs > 0,
         )
 
     def run(

@@ -122,8 +122,9 @@ def _run_inline(
     round_timeout: float = 30.0,
     on_grid: Any = None,
     method: str = "fedproto",
+    overrides: tuple[str, ...] = (),
 ) -> tuple[ServerOutcome, InlineGrid]:
-    config = tiny_config(method, "vpdr", rounds=rounds)
+    config = tiny_config(method, "vpdr", rounds=rounds).with_overrides(list(overrides))
     app = make_client_app(config, tmp_path)
 
     def client(msg: Message, ctx: Context) -> Message:
@@ -1656,3 +1657,43 @@ def test_a_subsampled_flower_run_equals_the_simulator_and_charges_the_sampled_ev
     summary = json.loads((result.run_dir / "summary.json").read_text())  # type: ignore[operator]
     assert summary["privacy"]["guarantee"]["sample_rate"] == 0.3
     assert "Poisson subsample at rate 0.3" in summary["privacy"]["guarantee"]["statement"]
+
+
+def test_release_schedule_once_runs_on_flower_like_the_simulator_and_charges_once(
+    tmp_path: Path,
+) -> None:
+    """privacy.release_schedule=once on Flower (issue 44): each client's one release is charged
+    by the client, its node and the server once; the re-sends of later rounds are recognised
+    by the server (the same release, digest for digest) and cost nothing."""
+    config = tiny_config("fedproto", "igpp").with_overrides(["privacy.release_schedule=once"])
+    data = build_federated_data(config, tmp_path / "home")
+    reference = Simulation(config, data).run()
+    result = run_flower_simulation(config, home=tmp_path / "home", backend="inline", out=tmp_path)
+    assert comparable(result.history) == comparable(reference)
+    spent = result.history[-1].privacy["epsilon_spent"]
+    assert spent == reference[-1].privacy["epsilon_spent"]
+    eps = config.privacy.epsilon
+    assert all(0.99 * eps < e <= eps for e in spent.values())  # one release: the whole budget
+
+
+def test_a_changed_release_under_once_is_charged_and_rejected(tmp_path: Path) -> None:
+    def wrap(app: Any, msg: Message, ctx: Context) -> Message:
+        reply = app(msg, ctx)
+        blue = ctx.node_config["partition-id"] == 1
+        if blue and msg.metadata.message_type == "train.release" and _round(msg) == 3:
+            release = reply.content["release"]  # a new draw where only a re-send is allowed
+            release["prototypes"] = Array(release["prototypes"].numpy().copy() + 1e-3)
+        return reply
+
+    schedule = ("privacy.release_schedule=once",)
+    outcome, grid = _run_inline(tmp_path, wrap, overrides=schedule)
+    strategy = outcome.strategy
+    assert strategy is not None
+    assert [m.rejected for m in outcome.history[:2]] == [[], []]
+    (r3,) = outcome.history[2].rejected
+    assert r3["client"] == "blue" and "second, different release (charged)" in r3["reason"]
+    assert [e["round"] for e in strategy.ledgers[0].entries] == [0]  # re-sends cost nothing
+    assert [e["round"] for e in strategy.ledgers[1].entries] == [0, 2]
+    assert _client_ledger_rounds(grid, 1000) == [0]
+    assert _client_ledger_rounds(grid, 1001) == [0]
+    assert set(strategy.sent_digests) == {0, 1}

@@ -97,3 +97,22 @@ def test_evaluation_and_diagnostics_that_reach_the_server_are_not_covered(
         "guarantee"
     ]
     assert any(n.startswith("diagnostics") for n in g["not_covered"])
+
+
+def test_a_deployed_node_charges_its_one_release_once_under_release_schedule_once(
+    tmp_path: Path,
+) -> None:
+    """release_schedule=once on a deployment: the node's own ledger holds the one release; the
+    re-sends of rounds 2 and 3 are not charged again (issue 44)."""
+    ledgers = tmp_path / "ledgers"
+    config = tiny_config("fedproto", "igpp", rounds=3).with_overrides(
+        ["privacy.epsilon=1", "privacy.release_schedule=once"]
+    )
+    outcome = _deployed_run(tmp_path, config, {"ledger-dir": str(ledgers), "privacy-budget": "1"})
+    assert [len(m.rejected) for m in outcome.history] == [0, 0, 0]
+    files = sorted(ledgers.glob("ledger-*.json"))
+    assert len(files) == 2
+    for f in files:
+        assert [e["round"] for e in json.loads(f.read_text())["entries"]] == [1]
+    spent = outcome.summary["privacy"]["epsilon_spent"]
+    assert all(0.99 < eps <= 1.0 for eps in spent.values())

@@ -735,8 +735,8 @@ def _charge_node_ledger(sim: Simulation, c: Client, context: Context, run: str, 
     from protofl.data.cache import protofl_home
     from protofl.privacy.node_ledger import NodeLedger, data_fingerprint
 
-    if not sim.mechanism.is_private:
-        return
+    if not sim.mechanism.is_private or c.privacy.sent is not None:
+        return  # release_schedule=once: a client that has released re-sends it, uncharged
     fingerprint = data_fingerprint(sim.data.dataset, c.data.domain_name, c.data.train_indices)
     ledger = NodeLedger.for_node(
         context.node_config,

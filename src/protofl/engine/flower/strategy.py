@@ -39,6 +39,7 @@ seconds: a node that vanished only costs that wait, and the round completes with
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -69,7 +70,6 @@ from protofl.engine.flower.codec import (
 )
 from protofl.engine.round import (
     RoundMetrics,
-    check_schedule,
     combine_weights,
     evaluation_plan,
     privacy_status,
@@ -80,7 +80,7 @@ from protofl.methods import METHOD_REGISTRY, create_method
 from protofl.methods.base import GlobalState, Method, Upload
 from protofl.methods.validation import validate_upload
 from protofl.privacy import create_mechanism
-from protofl.privacy.base import Mechanism
+from protofl.privacy.base import Mechanism, Release
 from protofl.privacy.ledger import PrivacyLedger
 from protofl.seeding import Stream, generator
 
@@ -284,11 +284,16 @@ class ProtoStrategy(Strategy):
         self.wait_timeout = float(wait_timeout)
         self.on_round = on_round
         self.poll_interval = poll_interval
-        check_schedule(config)  # a generated Flower app reaches the strategy directly
         fed = config.federation
+        # calibrated as the clients' (privacy.release_schedule=once: for one release)
         self.mechanism: Mechanism = create_mechanism(
-            config.privacy, rounds=fed.rounds, dim=config.backbone.proto_dim
+            config.privacy,
+            rounds=config.privacy.releases(fed.rounds),
+            dim=config.backbone.proto_dim,
         )
+        # release_schedule=once: partition -> digest of the release it was charged for; a
+        # reply carrying the very same release again is post-processing and is not charged
+        self.sent_digests: dict[int, str] = {}
         self.method: Method | None = None
         self.nodes: dict[int, NodeInfo] = {}  # node id -> info
         # node id -> partition fixed from the authenticated identities (empty: first claim wins);
@@ -346,6 +351,7 @@ class ProtoStrategy(Strategy):
             "rebinds": list(self.rebinds),
             "partition_overlap": list(self._partition_overlap),
             "capped": {k: dict(v) for k, v in self.capped.items()},
+            "sent_digests": dict(sorted(self.sent_digests.items())),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -373,6 +379,7 @@ class ProtoStrategy(Strategy):
         ]
         self.wire_seen = {k: set(v) for k, v in state["wire_seen"].items()}
         self.rebinds = list(state["rebinds"])
+        self.sent_digests = {int(p): str(d) for p, d in state.get("sent_digests", {}).items()}
         self._partition_overlap = [float(v) for v in state["partition_overlap"]]
         self.capped = {k: dict(v) for k, v in state.get("capped", {}).items()}
 
@@ -543,8 +550,11 @@ class ProtoStrategy(Strategy):
             # a release that left the client is charged, accepted or not, and with what the
             # server's own configured mechanism costs (a client cannot omit or shrink events)
             facts = claimed_release_facts(msg.content)
+            resent = self._resent(node, msg)
             if facts is not None or "release" in msg.content:
-                reason = self._charge(node, server_round, facts)
+                reason = self._charge(node, server_round, facts, resent=resent)
+                if reason is None and resent is False:
+                    reason = "privacy.release_schedule=once: a second, different release (charged)"
                 if reason is not None:
                     self._reject("release", node, msg, reason)
                     continue
@@ -583,14 +593,44 @@ class ProtoStrategy(Strategy):
         self._partition_overlap = overlaps
         return self.method.aggregate(self.weighted(accepted, server_round), server_round - 1)
 
+    def _resent(self, node: NodeInfo, msg: Message) -> bool | None:
+        """Under ``privacy.release_schedule: once``, for a partition that has released: True
+        when the reply carries exactly the release it was charged for (a re-send), False
+        otherwise; None when the schedule does not apply.  The first release that reaches the
+        server is remembered by its digest."""
+        if self.config.privacy.release_schedule != "once" or not self.mechanism.is_private:
+            return None
+        try:
+            check_wire("release", msg.content, diagnostics=self.diagnostics)
+            up = decode_upload(msg.content, client=node.partition)
+        except CodecError:
+            digest = None
+        else:
+            digest = None if up.release is None else release_digest(up.release)
+        known = self.sent_digests.get(node.partition)
+        if known is None:
+            if digest is not None:
+                self.sent_digests[node.partition] = digest
+            return None
+        return digest == known
+
     def _charge(
-        self, node: NodeInfo, server_round: int, facts: tuple[str, list[dict[str, Any]]] | None
+        self,
+        node: NodeInfo,
+        server_round: int,
+        facts: tuple[str, list[dict[str, Any]]] | None,
+        *,
+        resent: bool | None = None,
     ) -> str | None:
         """Charge ``node``'s ledger for one release with the events the server's mechanism
-        prescribes; the reason to reject the reply when its declared facts disagree."""
+        prescribes (not a verified re-send of a release already charged); the reason to
+        reject the reply when its declared facts disagree."""
         ledger = self.ledgers[node.partition]
-        events = self.mechanism.release_events(len(ledger.entries))
-        ledger.charge(server_round - 1, self.mechanism.name, events)
+        if resent:
+            events = self.mechanism.release_events(0)  # what the re-sent release declared
+        else:
+            events = self.mechanism.release_events(len(ledger.entries))
+            ledger.charge(server_round - 1, self.mechanism.name, events)
         if facts is None:
             return "a release record without readable mechanism and events"
         mechanism, declared = facts
@@ -1177,17 +1217,19 @@ class ProtoStrategy(Strategy):
         out = describe_guarantee(
             self.config.privacy,
             noise_key=mode,
-            rounds=self.config.federation.rounds,
+            rounds=self.config.privacy.releases(self.config.federation.rounds),
             clustered=self.method is not None and self.method.cluster_fn() is not None,
             shares_weights=self.method is not None and self.method.shares_weights,
             uses_prototypes=self.method is None or self.method.uses_prototypes,
             other_uploads=() if self.method is None else self.method.extra_uploads,
-            # every evaluated round brings each client's accuracy to this server
-            evaluation_reported=True,
+            # every evaluated round brings each client's accuracy to this server (of a model
+            # that depends on the private data unless nothing trains on it)
+            evaluation_reported=self.config.federation.local_epochs > 0
+            or (self.method is not None and self.method.uses_training_data),
             # the server accepts the clients' diagnostics records (run.diagnostics=true)
             diagnostics_reported=self.diagnostics,
-            # every client trains its adapter/projection between releases
-            trained_feature_map=True,
+            # every client trains its adapter/projection between releases (local_epochs > 0)
+            trained_feature_map=self.config.federation.local_epochs > 0,
         )
         out["noise_key_per_client"] = per_client
         return out
@@ -1221,3 +1263,14 @@ def _same_facts(old: NodeInfo, new: NodeInfo) -> bool:
         new.domain_name,
         new.num_samples,
     )
+
+
+def release_digest(release: Release) -> str:
+    """SHA-256 of what a release says (prototypes, classes, counts, noise stds): equal for a
+    re-sent release, different for any new draw."""
+    h = hashlib.sha256()
+    for t in (release.prototypes, release.classes, release.counts, release.noise_std):
+        a = t.detach().cpu().contiguous()
+        h.update(f"{a.dtype}{tuple(a.shape)}".encode())
+        h.update(a.numpy().tobytes())
+    return h.hexdigest()
