@@ -74,7 +74,7 @@ from protofl.engine.batched import (  # noqa: E402
 )
 from protofl.engine.federated_data import FederatedData, build_federated_data  # noqa: E402
 from protofl.privacy import create_mechanism  # noqa: E402
-from protofl.privacy.mechanisms import release_many  # noqa: E402
+from protofl.privacy.prototype import release_many  # noqa: E402
 
 BASE = [
     "data.name=digits4",

@@ -239,6 +239,7 @@ CROSS_CUTTING = {
     "data/test_real_images",
     "data/test_imagefolder_user",  # data.name imagefolder: data/imagefolder.py, the engine
     "engine/test_preflight",  # federated_data.preflight through run_experiment and the CLI
+    "privacy/test_sampling",  # privacy.sample_rate: accounting.py, prototype.py, igpp.py, audit
 }
 
 

@@ -33,7 +33,9 @@ from protofl.attacks.broken import (
     true_run_epsilon,
 )
 from protofl.privacy import PrivacyConfig
-from protofl.privacy.mechanisms import IGPP, VPP, clip_groups, clip_l2
+from protofl.privacy.igpp import IGPP
+from protofl.privacy.prototype import clip_groups, clip_l2
+from protofl.privacy.vpp import VPP
 
 
 class TenfoldLessNoise(IGPP):

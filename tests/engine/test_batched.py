@@ -25,7 +25,7 @@ from protofl.methods.baselines import FedAvg
 from protofl.models.client import build_client_model
 from protofl.privacy import create_mechanism
 from protofl.privacy.config import PrivacyConfig
-from protofl.privacy.mechanisms import release_many
+from protofl.privacy.prototype import release_many
 from tests.engine.helpers import run_stopped_in_round
 
 # parameters after 3 rounds: batched and per-client products sum in different orders, so the

@@ -24,8 +24,8 @@ from protofl.privacy.accounting import (
 from protofl.privacy.base import create_mechanism
 from protofl.privacy.config import PrivacyConfig
 from protofl.privacy.guarantee import describe_guarantee
+from protofl.privacy.igpp import IGPP
 from protofl.privacy.ledger import PrivacyLedger
-from protofl.privacy.mechanisms import IGPP
 from protofl.privacy.noise import NoiseKey
 
 DELTA = 1e-5

@@ -74,7 +74,7 @@ from scipy.stats import beta, norm
 from protofl.privacy.accounting import epsilon_spent, gaussian_epsilon, sampled_pld, split_events
 from protofl.privacy.base import MECHANISM_REGISTRY, Mechanism, private_mechanisms
 from protofl.privacy.config import PrivacyConfig
-from protofl.privacy.mechanisms import _PrototypeMechanism, release_many
+from protofl.privacy.prototype import _PrototypeMechanism, release_many
 from protofl.seeding import Stream, derive_seed
 
 MODES = ("release", "fast", "both")

@@ -17,8 +17,9 @@ import torch
 
 from protofl.privacy.accounting import compose_epsilon
 from protofl.privacy.config import PrivacyConfig
-from protofl.privacy.mechanisms import IGPP, VPP, laplace_noise
+from protofl.privacy.igpp import IGPP
 from protofl.privacy.noise import NoiseSource
+from protofl.privacy.vpp import VPP, laplace_noise
 
 
 class HalfNoise(IGPP):

@@ -1,11 +1,14 @@
-"""The privacy plug-in: clipping, prototype mechanisms, DCR and accounting; usable standalone."""
+"""The privacy plug-in: clipping, prototype mechanisms, DCR and accounting; usable standalone.
 
-from protofl.privacy import mechanisms as _mechanisms  # noqa: F401  (registers igpp and vpp)
+Importing it registers the mechanisms (one per file: igpp, vpp; the common pipeline in prototype).
+"""
+
 from protofl.privacy.accounting import calibrate_gaussian, calibrate_vpp, epsilon_spent
 from protofl.privacy.base import MECHANISM_REGISTRY, Mechanism, Release, create_mechanism
 from protofl.privacy.config import PrivacyConfig
 from protofl.privacy.facade import PrototypePrivacy
-from protofl.privacy.mechanisms import IGPP, VPP
+from protofl.privacy.igpp import IGPP
+from protofl.privacy.vpp import VPP
 
 __all__ = [
     "IGPP",

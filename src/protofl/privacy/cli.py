@@ -13,7 +13,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from protofl.privacy import mechanisms as _mechanisms  # noqa: F401  (registers igpp and vpp)
+from protofl.privacy import igpp as _igpp  # noqa: F401  (registers igpp)
+from protofl.privacy import vpp as _vpp  # noqa: F401  (registers vpp and vpdr)
 from protofl.privacy.accounting import (
     ACCOUNTANTS,
     SPLITS,

@@ -1609,7 +1609,7 @@ def test_extending_a_flower_run_composes_every_release_on_both_sides(
 
     from protofl.engine.flower.run import resume_flower_simulation
     from protofl.privacy.accounting import epsilon_spent
-    from protofl.privacy.mechanisms import VPP
+    from protofl.privacy.vpp import VPP
 
     reference, home = uninterrupted
     run_dir = tmp_path / "run"

@@ -1,4 +1,5 @@
-"""IGPP and VPP: sensitivity (property tests), applied noise, events, selection, bad input."""
+"""IGPP and VPP on the common release pipeline (privacy/prototype.py): sensitivity (property
+tests), applied noise, events, selection, bad input."""
 
 from __future__ import annotations
 
@@ -12,16 +13,10 @@ from hypothesis import strategies as st
 
 from protofl.privacy import MECHANISM_REGISTRY, PrivacyConfig, create_mechanism
 from protofl.privacy.accounting import calibrate_gaussian
+from protofl.privacy.igpp import IGPP
 from protofl.privacy.ledger import PrivacyLedger
-from protofl.privacy.mechanisms import (
-    IGPP,
-    VPP,
-    anova_scores,
-    clip_groups,
-    clip_l2,
-    laplace_noise,
-    topk_mask,
-)
+from protofl.privacy.prototype import clip_groups, clip_l2
+from protofl.privacy.vpp import VPP, anova_scores, laplace_noise, topk_mask
 
 DIM = 8
 CLASSES = 3
@@ -317,7 +312,7 @@ def test_empty_and_small_classes(caplog: pytest.LogCaptureFixture) -> None:
     x = torch.randn(12, DIM)
     y = torch.tensor([0] * 10 + [2] * 2)  # class 1 empty, class 2 tiny
     m = IGPP(PrivacyConfig(mechanism="igpp"), rounds=1, dim=DIM)
-    with caplog.at_level(logging.WARNING, logger="protofl.privacy.mechanisms"):
+    with caplog.at_level(logging.WARNING, logger="protofl.privacy.prototype"):
         rel = m.release(x, y, num_classes=3, generator=torch.Generator(), client="carol")
     assert rel.classes.tolist() == [0, 2]
     assert rel.counts.tolist() == [10, 2]
