@@ -44,8 +44,8 @@ from engine_hooks import HookedSimulation
 
 from protofl.config import ExperimentConfig
 from protofl.data.cache import protofl_home
-from protofl.engine.batched import _Store
 from protofl.engine.federated_data import build_federated_data
+from protofl.engine.store import _Store
 
 M1000_OVERRIDES = [
     "data.name=digits4",

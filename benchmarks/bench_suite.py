@@ -67,12 +67,10 @@ from engine_hooks import HookedSimulation  # noqa: E402
 
 from protofl.config import ExperimentConfig  # noqa: E402
 from protofl.data.cache import protofl_home  # noqa: E402
-from protofl.engine.batched import (  # noqa: E402
-    BatchedTrainer,
-    _BatchedLinear,
-    release_free_memory,
-)
+from protofl.engine.batched import BatchedTrainer  # noqa: E402
 from protofl.engine.federated_data import FederatedData, build_federated_data  # noqa: E402
+from protofl.engine.kernels import _BatchedLinear  # noqa: E402
+from protofl.engine.store import release_free_memory  # noqa: E402
 from protofl.privacy import create_mechanism  # noqa: E402
 from protofl.privacy.prototype import release_many  # noqa: E402
 

@@ -17,9 +17,10 @@ from protofl.attacks.mia import diagnostics_for
 from protofl.config import ConfigError, ExperimentConfig
 from protofl.data.cache import protofl_home
 from protofl.data.partition import PartitionError
-from protofl.engine.batched import BatchedTrainer, FrozenParameterPool, FrozenProjections
+from protofl.engine.batched import BatchedTrainer
 from protofl.engine.federated_data import FederatedData, build_federated_data
 from protofl.engine.simulation import Simulation
+from protofl.engine.store import FrozenParameterPool, FrozenProjections
 from protofl.methods.base import Batch, ClientState, GlobalState
 from protofl.methods.baselines import FedAvg
 from protofl.models.client import build_client_model
@@ -616,7 +617,7 @@ def _resident_kb() -> int:
 def test_a_mapped_tensor_keeps_its_values_when_its_pages_leave_the_resident_set(
     tmp_path: Path,
 ) -> None:
-    from protofl.engine.batched import drop_pages, mapped_tensor
+    from protofl.engine.store import drop_pages, mapped_tensor
 
     t = mapped_tensor(tmp_path / "rows.f32", (64, 256, 1024))  # 64 rows of 1 MB, sparse
     assert (tmp_path / "rows.f32").stat().st_size == 64 * 2**20
@@ -746,10 +747,10 @@ def test_a_mapped_store_prefetches_each_row_once_before_its_first_gather(
 ) -> None:
     """Rows of a mapped store are advised into the page cache (MADV_WILLNEED) before their
     first gather, every tensor's bytes of them, once; an in-memory store advises nothing."""
-    from protofl.engine import batched
+    from protofl.engine import store as paging  # the stacked storage's module
 
     calls: list[tuple[int, int]] = []
-    monkeypatch.setattr(batched, "prefetch_pages", lambda a, b: calls.append((a, b)))
+    monkeypatch.setattr(paging, "prefetch_pages", lambda a, b: calls.append((a, b)))
     cfg = _offload_config("disk")
     sim = Simulation(cfg, _data(cfg), state_dir=tmp_path / "state")
     store = sim.batched.store

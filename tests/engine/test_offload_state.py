@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from protofl.engine import batched
+from protofl.engine import batched, store
 from protofl.engine.batched import BatchedTrainer
 from protofl.engine.simulation import Simulation
 from protofl.methods.base import ClientState
@@ -205,9 +205,9 @@ def test_a_refused_budget_on_disk_builds_one_client_and_writes_nothing(
     from protofl.engine.runner import STATE_DIR, run_experiment
 
     mapped: list[Path] = []
-    make = batched.mapped_tensor
+    make = store.mapped_tensor
     monkeypatch.setattr(
-        batched, "mapped_tensor", lambda path, *a, **k: mapped.append(path) or make(path, *a, **k)
+        store, "mapped_tensor", lambda path, *a, **k: mapped.append(path) or make(path, *a, **k)
     )
     copies = []
     copy = simulation.copy_client_model

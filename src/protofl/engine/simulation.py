@@ -110,7 +110,7 @@ class Simulation:
         self.clients: list[Client] = []
         # identical frozen parameters (a frozen projection, frozen transformer blocks) are held
         # once for all clients instead of once per client; trainable ones stay per client
-        from protofl.engine.batched import FrozenParameterPool
+        from protofl.engine.store import FrozenParameterPool
 
         self.frozen_pool = FrozenParameterPool()
         self.batched: Any = None
@@ -576,7 +576,7 @@ class Simulation:
     def offload_state(self, clients: Sequence[Client]) -> None:
         """With ``run.client_state=disk``: move ``clients``' method state
         (``ClientState.tensors``) into the mapped store's per-key files
-        (:meth:`~protofl.engine.batched._Store.adopt_state`), so that it does not stay on the
+        (:meth:`~protofl.engine.store._Store.adopt_state`), so that it does not stay on the
         heap between rounds; a no-op otherwise."""
         if self.state_dir is not None and self.batched is not None:
             self.batched._ensure_store().adopt_state_all(clients)

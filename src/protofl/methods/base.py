@@ -110,7 +110,7 @@ class ClientState:
     """Per-client state a method keeps between rounds (tensors only, so it serialises).
 
     With ``run.client_state: disk`` the engine replaces each entry, after the round, by an
-    equal row of a memory-mapped file (``protofl.engine.batched._Store.adopt_state``): a
+    equal row of a memory-mapped file (``protofl.engine.store._Store.adopt_state``): a
     method reads its state from the dict and stores new tensors in it, and keeps no other
     reference to them."""
 

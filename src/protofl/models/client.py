@@ -100,7 +100,7 @@ def build_client_model(
 def copy_client_model(template: M) -> M:
     """An independent copy of a fresh client model (for clients that start identical): its own
     trainable parameters and buffers, and the template's frozen parameters themselves (never
-    updated in place; :class:`~protofl.engine.batched.FrozenParameterPool` holds one anyway).
+    updated in place; :class:`~protofl.engine.store.FrozenParameterPool` holds one anyway).
 
     ``copy.deepcopy`` of the module tree, faster: a module's bookkeeping (empty hook dicts,
     flags) is copied shallowly where it is empty or immutable (deepcopy spends ~2 ms per client

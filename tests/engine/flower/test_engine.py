@@ -753,8 +753,8 @@ def test_a_batched_flower_client_evaluates_like_the_simulator_projecting_each_te
     every client that shares it, as a message that loads a client's state leaves the frozen
     projection it already holds untouched.  Before, every evaluate message pushed the whole
     test set through the client's projection: most of a 10,000-client Flower round."""
-    from protofl.engine.batched import FrozenProjections
     from protofl.engine.flower.client_app import get_runtime
+    from protofl.engine.store import FrozenProjections
 
     config = tiny_config("fedproto", "vpdr", clients_per_domain=2).with_overrides(
         ["federation.execution=batched", "backbone.train_projection=false"]
