@@ -25,14 +25,9 @@ from protofl.engine.federated_data import build_federated_data
 from protofl.engine.flower.client_app import make_client_app
 from protofl.engine.flower.codec import decode_upload
 from protofl.engine.flower.inline import InlineGrid
+from protofl.engine.flower.plan import FederationPlan, NodeInfo, plan_from_config, plan_from_data
 from protofl.engine.flower.server_app import ServerOutcome, run_flower_server
-from protofl.engine.flower.strategy import (
-    FederationPlan,
-    NodeInfo,
-    ProtoStrategy,
-    plan_from_config,
-    plan_from_data,
-)
+from protofl.engine.flower.strategy import ProtoStrategy
 from protofl.errors import ConfigError
 from protofl.methods.base import Upload
 from protofl.methods.checks import tiny_config

@@ -161,8 +161,8 @@ def _simulate(
     from protofl.data.cache import protofl_home
     from protofl.engine.federated_data import build_federated_data
     from protofl.engine.flower.client_app import make_client_app
+    from protofl.engine.flower.plan import plan_from_data
     from protofl.engine.flower.server_app import ServerOutcome, make_server_app
-    from protofl.engine.flower.strategy import plan_from_data
     from protofl.engine.rundir import target_rounds
 
     home = Path(home) if home is not None else protofl_home()

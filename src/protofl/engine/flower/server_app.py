@@ -20,7 +20,8 @@ from flwr.serverapp import Grid, ServerApp
 
 from protofl.config import ExperimentConfig
 from protofl.engine.flower.client_app import config_from_run_config
-from protofl.engine.flower.strategy import FederationPlan, ProtoStrategy
+from protofl.engine.flower.plan import FederationPlan
+from protofl.engine.flower.strategy import ProtoStrategy
 from protofl.engine.simulation import RoundMetrics, summarise
 
 log = logging.getLogger(__name__)
@@ -187,10 +188,10 @@ def run_flower_server(
     last checkpoint up to its rounds (configured plus extensions).  ``partition_map``: node
     id -> the one partition that node may claim (None or empty: first claim wins).  ``plan``:
     what the federation is
-    (:func:`~protofl.engine.flower.strategy.plan_from_data` where the caller built the
+    (:func:`~protofl.engine.flower.plan.plan_from_data` where the caller built the
     federated data, so every partition's sample count is known; None: the configured data
     set's classes, domains and clients,
-    :func:`~protofl.engine.flower.strategy.plan_from_config`)."""
+    :func:`~protofl.engine.flower.plan.plan_from_config`)."""
     from protofl.engine.checkpoint import load_latest_checkpoint, save_checkpoint
     from protofl.engine.rundir import (
         FolderLock,
