@@ -346,7 +346,7 @@ class ExperimentConfig:
 
     name: str = "default"
     seed: int = 0
-    # a paper's protocol (protofl.presets: vpdr | feddap), filled in beneath the given values
+    # a protocol (protofl.presets: vpdr | feddap | dp_testbed), filled in beneath the given values
     # when a config is read from a mapping; kept as a record of where the values came from
     preset: str | None = None
     data: DataConfig = field(default_factory=DataConfig)
