@@ -43,7 +43,7 @@ from typing import Any
 from protofl.config import ExperimentConfig
 from protofl.data.cache import protofl_home
 from protofl.engine.federated_data import build_federated_data
-from protofl.engine.sweep import plan_sweep, run_sweep
+from protofl.sweeps import plan_sweep, run_sweep
 
 SEEDS = [0, 1, 2]
 MECHANISMS = ["igpp", "vpdr"]

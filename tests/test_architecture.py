@@ -131,6 +131,7 @@ LAYERS: list[set[str]] = [
     {"protofl.data"},  # data.features runs the backbones
     {"protofl.methods"},
     {"protofl.engine"},
+    {"protofl.sweeps"},  # runs grid points through the engine registry
     {"protofl.attacks"},  # registers its hooks with protofl.engine.hooks
     {"protofl.report"},
     {"protofl.api", "protofl.cli"},
@@ -234,7 +235,6 @@ CROSS_CUTTING = {
     "engine/flower/test_flower_app",  # the generated app: flower/app/__init__.py and run.py
     "engine/flower/test_node_ledger",  # privacy/node_ledger.py through the Flower client app
     "engine/test_client_local",  # the client-local folder: engine/rundir.py and runner.py
-    "engine/test_selection_privacy",  # engine/sweep.py's selection record and the accountant
     "attacks/test_audit_verdict",  # attacks/audit.py's model-free verdict
     "data/test_real_images",
     "data/test_imagefolder_user",  # data.name imagefolder: data/imagefolder.py, the engine

@@ -107,7 +107,7 @@ def test_numbers_written_without_a_dot_are_numbers(tmp_path: Path) -> None:
     from_file = ExperimentConfig.from_yaml(path)
     assert from_file.federation.lr == 1e-3 and from_file.federation.weight_decay == 2.0
     assert from_file.name == "run-1e3"  # not a number: stays a string
-    from protofl.engine.sweep import load_sweep
+    from protofl.sweeps import load_sweep
 
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text("name: s\ngrid:\n  federation.lr: [1e-3, 1e-2]\n")

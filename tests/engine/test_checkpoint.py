@@ -246,7 +246,7 @@ def test_ctrl_c_during_a_resume_or_extend_names_the_same_folder(
 def test_sweep_interrupt_names_the_sweep_command_with_its_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from protofl.engine import sweep
+    from protofl import sweeps as sweep
 
     path = tmp_path / "sweep.yaml"
     path.write_text(

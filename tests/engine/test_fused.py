@@ -19,9 +19,9 @@ from protofl.engine.batched import BatchedTrainer
 from protofl.engine.federated_data import build_federated_data
 from protofl.engine.fused import FusedMember, FusionUnavailable, fusion_key, fusion_problem
 from protofl.engine.simulation import Simulation
-from protofl.engine.sweep import LOG_FILE, fusion_groups, plan_sweep, read_status, run_sweep
 from protofl.methods.checks import tiny_config
 from protofl.report.cli import add_report_parsers
+from protofl.sweeps import LOG_FILE, fusion_groups, plan_sweep, read_status, run_sweep
 
 
 def _base(method: str = "fedproto", rounds: int = 3, **extra: Any) -> dict[str, Any]:

@@ -80,7 +80,7 @@ def test_a_flower_run_is_not_resumed_on_the_simulator(tmp_path: Path) -> None:
 def test_one_process_per_folder_and_the_message_names_the_holder(tmp_path: Path) -> None:
     import os
 
-    from protofl.engine.sweep import plan_sweep, run_sweep
+    from protofl.sweeps import plan_sweep, run_sweep
 
     with FolderLock(tmp_path / "sweep", "sweep"):
         with pytest.raises(LockError, match=f"in use by process {os.getpid()}"):

@@ -284,8 +284,8 @@ def test_a_bad_option_fails_before_any_data_or_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from protofl.engine import federated_data
-    from protofl.engine.sweep import load_sweep
     from protofl.methods.checks import tiny_config
+    from protofl.sweeps import load_sweep
 
     base = tiny_config("fedproto", "none", rounds=1).to_dict()
     base["backbone"]["name"] = "htfe4_fast"

@@ -55,7 +55,7 @@ def _finished_runs(args: argparse.Namespace) -> list[Any]:
 # --------------------------------------------------------------------------------------------
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Validate the grid, run what is not complete, print the summary (exit 1 if runs failed)."""
-    from protofl.engine.sweep import (
+    from protofl.sweeps import (
         SELECT_DIR,
         format_selection,
         format_sweep_result,
@@ -69,7 +69,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         plan.fuse = False
     sweep_dir = Path(args.out) if args.out else plan.default_dir()
     if args.dry_run:
-        from protofl.engine.sweep import run_is_done
+        from protofl.sweeps import run_is_done
 
         if plan.select is not None:
             sel = plan.select
@@ -113,7 +113,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             print(format_sweep_result(result))
             failed = bool(result.failed)
     except KeyboardInterrupt as exc:
-        from protofl.engine.sweep import resume_command
+        from protofl.sweeps import resume_command
 
         by = f" by {exc}" if str(exc) else ""
         again = resume_command(

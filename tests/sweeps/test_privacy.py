@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
-from protofl.engine.sweep import (
+from protofl.methods.checks import tiny_config
+from protofl.privacy.accounting import epsilon_spent
+from protofl.sweeps import (
     TUNING_GAP,
     VALIDATION_GAP,
     format_selection,
@@ -19,8 +21,6 @@ from protofl.engine.sweep import (
     run_selection,
     selection_privacy,
 )
-from protofl.methods.checks import tiny_config
-from protofl.privacy.accounting import epsilon_spent
 
 
 def _selection(

@@ -22,7 +22,9 @@ from protofl.engine.engines import (
     run_engine_in_dir,
 )
 from protofl.engine.rundir import read_client_summary, read_record, write_record
-from protofl.engine.sweep import (
+from protofl.methods.checks import tiny_config
+from protofl.report.cli import add_report_parsers
+from protofl.sweeps import (
     LOG_FILE,
     execute_point,
     format_sweep_result,
@@ -32,8 +34,6 @@ from protofl.engine.sweep import (
     read_status,
     run_sweep,
 )
-from protofl.methods.checks import tiny_config
-from protofl.report.cli import add_report_parsers
 
 
 def _base() -> dict[str, Any]:
@@ -269,9 +269,9 @@ def _select(
     import numpy as np
 
     import protofl.engine.federated_data as federated_data
-    import protofl.engine.sweep as sweep
+    import protofl.sweeps.schedule as schedule
     from protofl.data.toy import make_toy
-    from protofl.engine.sweep import run_selection
+    from protofl.sweeps import run_selection
 
     state = {"chosen": False}
 
@@ -284,7 +284,7 @@ def _select(
             object.__setattr__(dom.test, "images", _Guarded(dom.test.images, state))
         return toy
 
-    real_choose = sweep.choose
+    real_choose = schedule.choose
 
     def choose(*args: Any, **kwargs: Any) -> Any:
         out = real_choose(*args, **kwargs)
@@ -292,7 +292,7 @@ def _select(
         return out
 
     monkeypatch.setattr(federated_data, "load_dataset", load)
-    monkeypatch.setattr(sweep, "choose", choose)
+    monkeypatch.setattr(schedule, "choose", choose)
     base = _base()
     # nearest noisy global prototype: a large clip radius (more noise) hurts
     base["privacy"].update({"mechanism": "igpp", "epsilon": 1.0})
