@@ -1697,3 +1697,28 @@ def test_a_changed_release_under_once_is_charged_and_rejected(tmp_path: Path) ->
     assert _client_ledger_rounds(grid, 1000) == [0]
     assert _client_ledger_rounds(grid, 1001) == [0]
     assert set(strategy.sent_digests) == {0, 1}
+
+
+def test_ctrl_c_in_a_new_flower_run_names_its_folder_and_the_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 43: a Ctrl-C in ``protofl run --engine flower`` printed `protofl run --resume
+    RUN_DIR` without the folder, although the run had made it; now it names both."""
+    import yaml
+
+    from protofl.cli import main
+    from protofl.engine.flower import server_app
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(server_app, "run_flower_server", interrupted)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config("fedproto", "igpp", rounds=1).to_dict()))
+    out = tmp_path / "runs"
+    argv = ["run", str(cfg), "--engine", "flower", "--flower-backend", "inline", "--out", str(out)]
+    assert main(argv) == 130
+    (folder,) = [d for d in out.iterdir() if d.is_dir() and not d.name.endswith("client-local")]
+    err = capsys.readouterr().err
+    assert f"protofl run --resume {folder}" in err
+    assert "RUN_DIR" not in err

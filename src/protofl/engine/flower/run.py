@@ -257,6 +257,13 @@ def _simulate(
         if not outcome.summary:
             raise RuntimeError("the Flower ServerApp did not complete (see the log above)")
         return FlowerRunResult(outcome.run_dir, outcome.summary, outcome.history)
+    except KeyboardInterrupt as exc:
+        from protofl.engine.runner import RunInterrupted
+
+        if run_dir is None or isinstance(exc, RunInterrupted):
+            raise
+        # Ctrl-C: the folder is this run's, so the message names the command continuing it
+        raise RunInterrupted(str(exc) or "interrupted", run_dir) from None
     finally:
         bar.stop()
         torch.set_num_threads(threads)
