@@ -60,17 +60,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from protofl.engine.kernels import _BatchedLinear, _ProjectedAdapter
-from protofl.engine.store import (
-    FrozenProjections,
-    _optimizer_kind,
-    _runs,
-    _Store,
-    adamw_reference,
+from protofl.engine.kernels import (
+    _BatchedLinear,
+    _ProjectedAdapter,
+    adamw_rows,
+    clip_rows,
+    ema_rows,
+    sgd_rows,
 )
+from protofl.engine.store import FrozenProjections, _optimizer_kind, _Store
 from protofl.methods.objectives import Group, LocalObjective, ModelView, Step, nearest_prototype
 from protofl.models.client import ClientModel, ResidualAdapter
-from protofl.privacy.dcr import distillation, ema_, soft_clip
+from protofl.privacy.dcr import distillation, soft_clip
 
 if TYPE_CHECKING:
     from protofl.engine.client import Client, Federation
@@ -260,6 +261,13 @@ class BatchedTrainer:
             {n: tuple(p.shape) for n, p in dcr.teacher.named_parameters()} if dcr else {}
         )
         self.anchor = torch.zeros((), requires_grad=True, device=self.device)
+
+    @property
+    def _opt(self) -> dict[str, Any]:
+        """The optimiser settings the row steps share: trainable and head tensor names, and
+        the param group (every client's optimiser is built alike from ``federation``)."""
+        group = self.sim.clients[0].optimizer.param_groups[0]
+        return {"names": self.names, "head_names": self.head_names, "group": group}
 
     def frozen_projections(self, clients: Sequence[Client]) -> FrozenProjections | None:
         """The clients' frozen projections (one per run; Simulation pooled each run's as it
@@ -722,19 +730,29 @@ class BatchedTrainer:
                     for n in self.head_names:
                         grads[n][:k][~live] = 0.0
                 if self.clip > 0:
-                    self._clip(grads, k)
+                    clip_rows(grads, k, names=self.names, max_norm=self.clip)
                 if self.sgd:
-                    self._sgd(params, grads, exp_avg, k, live)
+                    sgd_rows(params, grads, exp_avg, k, head_live=live, **self._opt)
                 else:
                     for n in self.names:
                         if live is not None and n in self.head_names:
                             opt_step[n][:k] += live.to(opt_step[n].dtype)
                         else:
                             opt_step[n][:k] += 1
-                    self._adamw(params, grads, exp_avg, exp_avg_sq, opt_step, k, live)
+                    adamw_rows(
+                        params,
+                        grads,
+                        exp_avg,
+                        exp_avg_sq,
+                        opt_step,
+                        k,
+                        head_live=live,
+                        fused=self.optimizer == "fused",
+                        **self._opt,
+                    )
                 if dcr is not None and dcr_steps is not None:
                     dcr_steps[:k] += 1
-                    self._ema(teacher, params, dcr_steps, k, dcr.warmup, dcr.beta)
+                    ema_rows(teacher, params, dcr_steps, k, dcr.warmup, dcr.beta)
             loss_sum[:k] += loss.detach().double()
 
         for n in self.names:
@@ -817,119 +835,6 @@ class BatchedTrainer:
         if self.head == "linear":
             return lin("", x)
         return lin("2.", torch.relu(lin("0.", x)))
-
-    def _adamw(
-        self,
-        params: dict[str, torch.Tensor],
-        grads: dict[str, torch.Tensor],
-        exp_avg: dict[str, torch.Tensor],
-        exp_avg_sq: dict[str, torch.Tensor],
-        steps: dict[str, torch.Tensor],
-        k: int,
-        head_live: torch.Tensor | None = None,
-    ) -> None:
-        """torch's fused AdamW on rows 0..k-1, one tensor per run of equal step counts; with
-        ``head_live`` the head's rows of the other clients take no step (no gradient)."""
-        group = self.sim.clients[0].optimizer.param_groups[0]
-        beta1, beta2 = (float(b) for b in group["betas"])
-        sets: list[tuple[list[str], list[bool] | None]] = [(self.names, None)]
-        if head_live is not None:
-            body = [n for n in self.names if n not in self.head_names]
-            sets = [(body, None), (self.head_names, head_live.tolist())]
-        ps, gs, ms, vs, ss = [], [], [], [], []
-        for names, live in sets:
-            if not names:
-                continue
-            for a, b in _runs(steps[names[0]][:k].tolist(), live):
-                for n in names:
-                    ps.append(params[n][a:b])
-                    gs.append(grads[n][a:b])
-                    ms.append(exp_avg[n][a:b])
-                    vs.append(exp_avg_sq[n][a:b])
-                    ss.append(steps[n][a])
-        if not ps:
-            return
-        lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
-        if self.optimizer == "fused":
-            torch._fused_adamw_(
-                ps,
-                gs,
-                ms,
-                vs,
-                [],
-                ss,
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=wd,
-                eps=eps,
-                amsgrad=False,
-                maximize=False,
-            )
-        else:
-            adamw_reference(
-                ps, gs, ms, vs, ss, lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps
-            )
-
-    def _clip(self, grads: dict[str, torch.Tensor], k: int) -> None:
-        """torch.nn.utils.clip_grad_norm_ per client (rows 0..k-1): each client's gradient
-        scaled by min(1, max_norm / (its global L2 norm + 1e-6))."""
-        sq = sum(grads[n][:k].flatten(1).float().pow(2).sum(1) for n in self.names)
-        coef = (self.clip / (torch.as_tensor(sq).sqrt() + 1e-6)).clamp(max=1.0)
-        for n in self.names:
-            g = grads[n][:k]
-            g.mul_(coef.view(-1, *([1] * (g.dim() - 1))).to(g.dtype))
-
-    def _sgd(
-        self,
-        params: dict[str, torch.Tensor],
-        grads: dict[str, torch.Tensor],
-        bufs: dict[str, torch.Tensor],
-        k: int,
-        head_live: torch.Tensor | None = None,
-    ) -> None:
-        """torch's single-tensor SGD (dampening 0) on rows 0..k-1, op for op; with
-        ``head_live`` the head's rows of the other clients take no step (no gradient)."""
-        group = self.sim.clients[0].optimizer.param_groups[0]
-        lr, wd = float(group["lr"]), float(group["weight_decay"])
-        momentum, nesterov = float(group["momentum"]), bool(group["nesterov"])
-        live = head_live.tolist() if head_live is not None else None
-        for n in self.names:
-            spans = [(0, k)]
-            if live is not None and n in self.head_names:
-                spans = _runs([0] * k, live)
-            for a, b in spans:
-                p, g = params[n][a:b], grads[n][a:b]
-                if wd != 0.0:
-                    g = g.add(p, alpha=wd)
-                if momentum != 0.0:
-                    buf = bufs[n][a:b]
-                    buf.mul_(momentum).add_(g, alpha=1.0)
-                    g = g.add(buf, alpha=momentum) if nesterov else buf
-                p.add_(g, alpha=-lr)
-
-    @staticmethod
-    def _ema(
-        teacher: dict[str, torch.Tensor],
-        params: dict[str, torch.Tensor],
-        dcr_steps: torch.Tensor,
-        k: int,
-        warmup: int,
-        beta: float,
-    ) -> None:
-        """DCR.after_step on rows 0..k-1 (counters already advanced): copy during warm-up,
-        else theta_t <- beta*theta_t + (1-beta)*theta_s."""
-        sync = (dcr_steps[:k] <= warmup).tolist()
-        for n, t in teacher.items():
-            s = params["head." + n][:k]
-            if not any(sync):
-                ema_(t[:k], s, beta)
-                continue
-            for i in range(k):
-                if sync[i]:
-                    t[i].copy_(s[i])
-                else:
-                    ema_(t[i], s[i], beta)
 
     # ----- uploads and evaluation (engine hooks) ---------------------------------------------
     @torch.no_grad()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import math
 import os
 import sys
@@ -24,10 +23,6 @@ from torch import nn
 
 if TYPE_CHECKING:
     from protofl.engine.client import Client
-
-log = logging.getLogger(__name__)
-
-# Working memory (bytes) one group of clients may use for weight gradients and activations;
 
 
 def _optimizer_kind(opt: torch.optim.Optimizer) -> str | None:
@@ -102,32 +97,6 @@ class FrozenParameterPool:
                     freed += p.numel() * p.element_size()
         self.shared_bytes += freed
         return freed
-
-
-def adamw_reference(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    steps: Sequence[torch.Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    eps: float,
-) -> None:
-    """The update of torch's default (single-tensor) AdamW, op for op, on tensors that each
-    hold one or more clients sharing one (already incremented) step count."""
-    for p, g, m, v, st in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
-        step = float(st)
-        p.mul_(1 - lr * weight_decay)
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
-        denom = (v.sqrt() / bias_correction2**0.5).add_(eps)
-        p.addcdiv_(m, denom, value=-lr / bias_correction1)
 
 
 class FrozenProjections:
