@@ -235,7 +235,6 @@ CROSS_CUTTING = {
     "engine/flower/test_flower_app",  # the generated app: flower/app/__init__.py and run.py
     "engine/flower/test_node_ledger",  # privacy/node_ledger.py through the Flower client app
     "engine/test_client_local",  # the client-local folder: engine/rundir.py and runner.py
-    "attacks/test_audit_verdict",  # attacks/audit.py's model-free verdict
     "data/test_real_images",
     "data/test_imagefolder_user",  # data.name imagefolder: data/imagefolder.py, the engine
     "engine/test_preflight",  # federated_data.preflight through run_experiment and the CLI

@@ -14,10 +14,11 @@ Importing the package registers the engine's ``mia`` diagnostic hook (``run.mia_
 """
 
 from protofl.attacks.artifacts import load_run, rebuild_clients
-from protofl.attacks.audit import audit_mechanism, epsilon_lower_bound, per_release_epsilon
+from protofl.attacks.audit import audit_mechanism, per_release_epsilon
 from protofl.attacks.cli import add_attack_parsers
 from protofl.attacks.fsh import fsh_metrics, fsh_on_run, hijack, hijack_release
 from protofl.attacks.mia import membership_metrics, mia_on_release, mia_on_run
+from protofl.attacks.verdict import epsilon_lower_bound
 
 __all__ = [
     "add_attack_parsers",

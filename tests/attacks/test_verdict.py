@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy.stats import norm
 
-from protofl.attacks.audit import (
+from protofl.attacks.verdict import (
     audit_statistics,
     betting_test,
     claim_from_events,
