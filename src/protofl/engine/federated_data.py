@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -403,3 +403,33 @@ def build_federated_data(
         dataset=dataset.name,
         real_domains={d.name: d.real for d in domains},
     )
+
+
+def data_on_device(data: FederatedData, device: torch.device) -> FederatedData:
+    """``data`` with every client's features and labels on ``device`` (itself on the CPU: the
+    memory-mapped cache stays mapped).  A tensor several clients share (their domain's test set)
+    is copied once."""
+    if device.type == "cpu":
+        return data
+    moved: dict[int, torch.Tensor] = {}
+
+    def on(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in moved:
+            moved[id(t)] = t.to(device)
+        return moved[id(t)]
+
+    clients = [
+        replace(
+            cd,
+            train_z=on(cd.train_z),
+            train_y=on(cd.train_y),
+            test_z=on(cd.test_z),
+            test_y=on(cd.test_y),
+        )
+        for cd in data.clients
+    ]
+    holdout = None
+    if data.holdout is not None:
+        name, hz, hy = data.holdout
+        holdout = (name, on(hz), on(hy))
+    return replace(data, clients=clients, holdout=holdout)

@@ -22,7 +22,7 @@ import torch
 
 from protofl.config import ExperimentConfig
 from protofl.engine.client import Client
-from protofl.engine.federated_data import FederatedData
+from protofl.engine.federated_data import FederatedData, data_on_device
 from protofl.engine.norms import feature_norm_stats
 from protofl.engine.optimizers import make_optimizer
 from protofl.engine.round import (
@@ -40,9 +40,15 @@ from protofl.methods.base import Batch, ClientState, GlobalState, Method, Upload
 from protofl.methods.objectives import Group
 from protofl.models.backbones import backbone_class
 from protofl.models.client import ClientModel, copy_client_model
-from protofl.models.device import autocast, describe_device, prepare_device, to_cpu, to_device
+from protofl.models.device import (
+    autocast,
+    describe_device,
+    prepare_device,
+    to_cpu_once,
+    to_device,
+)
 from protofl.privacy import create_mechanism
-from protofl.privacy.base import Mechanism, Release
+from protofl.privacy.base import Mechanism, Release, release_from_dict, release_to_dict
 from protofl.privacy.client import PrivateClient, release_many
 from protofl.privacy.guarantee import describe_guarantee
 from protofl.privacy.noise import noise_key, resolve_noise_mode
@@ -741,87 +747,6 @@ class _OwnExecutor:
 
     def scope(self, run: int) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()
-
-
-def to_cpu_once(value: Any, memo: dict[tuple[Any, ...], torch.Tensor] | None = None) -> Any:
-    """:func:`~protofl.models.device.to_cpu`, with one CPU copy of each distinct view (same
-    storage, offset, shape, strides and dtype) however many entries hold it: a model's
-    ``state_dict`` detaches each parameter anew, so identity cannot tell them apart."""
-    memo = {} if memo is None else memo
-    if isinstance(value, torch.Tensor):
-        if value.device.type == "cpu":
-            return value
-        key = (
-            str(value.device),
-            value.untyped_storage().data_ptr(),
-            value.storage_offset(),
-            tuple(value.shape),
-            value.stride(),
-            value.dtype,
-        )
-        out = memo.get(key)
-        if out is None:
-            out = memo[key] = to_cpu(value)
-        return out
-    if isinstance(value, dict):
-        return type(value)((k, to_cpu_once(v, memo)) for k, v in value.items())
-    if isinstance(value, list):
-        return [to_cpu_once(v, memo) for v in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(to_cpu_once(v, memo) for v in value)
-    return to_cpu(value)
-
-
-def data_on_device(data: FederatedData, device: torch.device) -> FederatedData:
-    """``data`` with every client's features and labels on ``device`` (itself on the CPU: the
-    memory-mapped cache stays mapped).  A tensor several clients share (their domain's test set)
-    is copied once."""
-    if device.type == "cpu":
-        return data
-    moved: dict[int, torch.Tensor] = {}
-
-    def on(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in moved:
-            moved[id(t)] = t.to(device)
-        return moved[id(t)]
-
-    clients = [
-        replace(
-            cd,
-            train_z=on(cd.train_z),
-            train_y=on(cd.train_y),
-            test_z=on(cd.test_z),
-            test_y=on(cd.test_y),
-        )
-        for cd in data.clients
-    ]
-    holdout = None
-    if data.holdout is not None:
-        name, hz, hy = data.holdout
-        holdout = (name, on(hz), on(hy))
-    return replace(data, clients=clients, holdout=holdout)
-
-
-def release_to_dict(release: Release | None) -> dict[str, Any] | None:
-    """A Release as plain containers (safe for ``torch.load(weights_only=True)``)."""
-    if release is None:
-        return None
-    return {
-        "prototypes": release.prototypes,
-        "classes": release.classes,
-        "counts": release.counts,
-        "sensitivity": release.sensitivity,
-        "noise_std": release.noise_std,
-        "mechanism": release.mechanism,
-        "events": release.events,
-        "info": release.info,
-        "diagnostics": release.diagnostics,
-    }
-
-
-def release_from_dict(data: dict[str, Any] | None) -> Release | None:
-    """Inverse of :func:`release_to_dict`."""
-    return None if data is None else Release(**data)
 
 
 def summarise(history: Sequence[RoundMetrics]) -> dict[str, Any]:

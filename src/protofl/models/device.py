@@ -167,3 +167,32 @@ def free_memory_bytes(device: torch.device) -> int | None:
         return None
     free, _total = torch.cuda.mem_get_info(device)
     return int(free)
+
+
+def to_cpu_once(value: Any, memo: dict[tuple[Any, ...], torch.Tensor] | None = None) -> Any:
+    """:func:`~protofl.models.device.to_cpu`, with one CPU copy of each distinct view (same
+    storage, offset, shape, strides and dtype) however many entries hold it: a model's
+    ``state_dict`` detaches each parameter anew, so identity cannot tell them apart."""
+    memo = {} if memo is None else memo
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu":
+            return value
+        key = (
+            str(value.device),
+            value.untyped_storage().data_ptr(),
+            value.storage_offset(),
+            tuple(value.shape),
+            value.stride(),
+            value.dtype,
+        )
+        out = memo.get(key)
+        if out is None:
+            out = memo[key] = to_cpu(value)
+        return out
+    if isinstance(value, dict):
+        return type(value)((k, to_cpu_once(v, memo)) for k, v in value.items())
+    if isinstance(value, list):
+        return [to_cpu_once(v, memo) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(to_cpu_once(v, memo) for v in value)
+    return to_cpu(value)

@@ -56,6 +56,28 @@ class Release:
         return int(self.prototypes.shape[0])
 
 
+def release_to_dict(release: Release | None) -> dict[str, Any] | None:
+    """A Release as plain containers (safe for ``torch.load(weights_only=True)``)."""
+    if release is None:
+        return None
+    return {
+        "prototypes": release.prototypes,
+        "classes": release.classes,
+        "counts": release.counts,
+        "sensitivity": release.sensitivity,
+        "noise_std": release.noise_std,
+        "mechanism": release.mechanism,
+        "events": release.events,
+        "info": release.info,
+        "diagnostics": release.diagnostics,
+    }
+
+
+def release_from_dict(data: dict[str, Any] | None) -> Release | None:
+    """Inverse of :func:`release_to_dict`."""
+    return None if data is None else Release(**data)
+
+
 class Mechanism(ABC):
     """A local-DP release of class (or cluster) prototypes, calibrated once for a whole run."""
 

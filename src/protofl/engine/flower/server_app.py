@@ -318,7 +318,7 @@ def save_received(strategy: ProtoStrategy, run_dir: Path) -> None:
     accepted them (client models never reach the server, so the attacks cannot run on it)."""
     import torch
 
-    from protofl.engine.simulation import release_to_dict
+    from protofl.privacy.base import release_to_dict
 
     nodes = strategy.registered_nodes()
     parts = [n.partition for n in nodes]

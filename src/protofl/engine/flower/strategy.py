@@ -189,7 +189,7 @@ class ProtoStrategy(Strategy):
         """What the server needs to continue after a restart: the rounds so far, the global
         state, the method's server state, the seeded sampler, every client's server-side
         ledger, the registered facts per partition and what was received and rejected."""
-        from protofl.engine.simulation import release_to_dict
+        from protofl.privacy.base import release_to_dict
 
         return {
             "history": [m.to_json() for m in self.history],
@@ -214,7 +214,7 @@ class ProtoStrategy(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`; the nodes register again (``hello``) and a node
         claiming a partition must repeat the facts that partition registered."""
-        from protofl.engine.simulation import release_from_dict
+        from protofl.privacy.base import release_from_dict
 
         self.history = [RoundMetrics.from_json(m) for m in state["history"]]
         self.global_state = dict(state["global_state"])
