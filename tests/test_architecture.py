@@ -236,7 +236,6 @@ CROSS_CUTTING = {
     "engine/flower/test_node_ledger",  # privacy/node_ledger.py through the Flower client app
     "engine/test_client_local",  # the client-local folder: engine/rundir.py and runner.py
     "data/test_real_images",
-    "data/test_imagefolder_user",  # data.name imagefolder: data/imagefolder.py, the engine
     "engine/test_preflight",  # federated_data.preflight through run_experiment and the CLI
     "privacy/test_sampling",  # privacy.sample_rate: accounting.py, prototype.py, igpp.py, audit
 }

@@ -9,7 +9,8 @@ import pytest
 from PIL import Image
 
 from protofl.data import DATASET_REGISTRY
-from protofl.data.imagefolder import DataFileError, DatasetRootError, load_user_imagefolder
+from protofl.data.imagefolder import DataFileError, DatasetRootError
+from protofl.data.user_images import load_user_imagefolder
 
 
 def _pngs(folder: Path, n: int, seed: int, size: tuple[int, int] = (10, 12)) -> None:
