@@ -407,7 +407,12 @@ class ProtoStrategy(Strategy):
             # a release that left the client is charged, accepted or not, and with what the
             # server's own configured mechanism costs (a client cannot omit or shrink events)
             facts = claimed_release_facts(msg.content)
-            resent = self._resent(node, msg)
+            try:  # decoded once, before the charge (a re-send is recognised by its content)
+                check_wire("release", msg.content, diagnostics=self.diagnostics)
+                up: Upload | CodecError = decode_upload(msg.content, client=node.partition)
+            except CodecError as exc:
+                up = exc
+            resent = self._resent(node, None if isinstance(up, CodecError) else up)
             if facts is not None or "release" in msg.content:
                 reason = self._charge(node, server_round, facts, resent=resent)
                 if reason is None and resent is False:
@@ -424,11 +429,8 @@ class ProtoStrategy(Strategy):
                     f"claims partition {claimed}, registered as {node.partition}",
                 )
                 continue
-            try:
-                check_wire("release", msg.content, diagnostics=self.diagnostics)
-                up = decode_upload(msg.content, client=node.partition)
-            except CodecError as exc:
-                self._reject("release", node, msg, f"malformed record: {exc}")
+            if isinstance(up, CodecError):
+                self._reject("release", node, msg, f"malformed record: {up}")
                 continue
             reason = validate_upload(
                 up,
@@ -450,20 +452,14 @@ class ProtoStrategy(Strategy):
         self._partition_overlap = overlaps
         return self.method.aggregate(self.weighted(accepted, server_round), server_round - 1)
 
-    def _resent(self, node: NodeInfo, msg: Message) -> bool | None:
+    def _resent(self, node: NodeInfo, up: Upload | None) -> bool | None:
         """Under ``privacy.release_schedule: once``, for a partition that has released: True
-        when the reply carries exactly the release it was charged for (a re-send), False
-        otherwise; None when the schedule does not apply.  The first release that reaches the
-        server is remembered by its digest."""
+        when the decoded reply ``up`` (None: malformed) carries exactly the release it was
+        charged for (a re-send), False otherwise; None when the schedule does not apply.  The
+        first release that reaches the server is remembered by its digest."""
         if self.config.privacy.release_schedule != "once" or not self.mechanism.is_private:
             return None
-        try:
-            check_wire("release", msg.content, diagnostics=self.diagnostics)
-            up = decode_upload(msg.content, client=node.partition)
-        except CodecError:
-            digest = None
-        else:
-            digest = None if up.release is None else release_digest(up.release)
+        digest = None if up is None or up.release is None else release_digest(up.release)
         known = self.sent_digests.get(node.partition)
         if known is None:
             if digest is not None:
