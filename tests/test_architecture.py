@@ -196,14 +196,16 @@ def test_code_shape_measures_functions_and_methods() -> None:
 def test_cli_choices_come_from_the_registries() -> None:
     from protofl.cli import build_parser
     from protofl.engine.engines import ENGINE_REGISTRY
-    from protofl.privacy.base import private_mechanisms
+    from protofl.privacy.base import private_mechanisms, sum_mechanisms
 
     parser = build_parser()
     actions = {a.dest: a for a in parser._subparsers._group_actions[0].choices["run"]._actions}  # type: ignore[union-attr]
     assert list(actions["engine"].choices) == ENGINE_REGISTRY.names()
     audit = parser._subparsers._group_actions[0].choices["audit"]  # type: ignore[union-attr]
     mech = {a.dest: a for a in audit._actions}["mechanism"]
-    assert list(mech.choices) == private_mechanisms() == ["igpp", "vpdr", "vpp"]
+    assert private_mechanisms() == ["igpp", "vpdr", "vpp"]
+    assert list(mech.choices) == [*private_mechanisms(), *sum_mechanisms()]
+    assert sum_mechanisms() == ["ddg"]
 
 
 def test_an_unknown_engine_or_mechanism_is_named_by_its_registry() -> None:

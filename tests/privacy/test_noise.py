@@ -287,3 +287,16 @@ def test_no_flower_node_file_or_context_holds_a_secret_key(
     assert result.run_dir is not None and list((result.run_dir / "nodes").rglob("*.pt"))
     assert len(keys) == 2
     assert not _files_holding(keys, tmp_path / "runs")
+
+
+def test_a_child_key_costs_its_parent_one_draw_whatever_the_child_draws() -> None:
+    from protofl.privacy.noise import NoiseKey, child_source
+
+    a, b = NoiseKey.derived(0, 1), NoiseKey.derived(0, 1)
+    ca = child_source(a, "rounding")
+    cb = child_source(b, "rounding")
+    assert ca.mode == "derived" and a.draws == b.draws == 1
+    ca.uniform(5, "x")  # the child draws a data-dependent number of times ...
+    assert (a.uniform(3, "noise") == b.uniform(3, "noise")).all()  # ... the parent never sees it
+    assert (cb.uniform(5, "x") != NoiseKey.derived(0, 1).uniform(5, "x")).all()
+    assert child_source(NoiseKey.secret(), "r").mode == "secret"

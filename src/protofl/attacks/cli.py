@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from protofl.privacy.base import private_mechanisms
+from protofl.privacy.base import private_mechanisms, sum_mechanisms
 
 # the audit's defaults (protofl.attacks.audit, imported only when the audit runs)
 AUDIT_TRIALS = 64_000
@@ -145,7 +145,10 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     from protofl.progress import progress_notes
 
     with progress_notes(True), _ticker("audit", args.mode):
-        result = _audit(args, audit_mechanism)
+        if args.mechanism in sum_mechanisms():
+            result = _audit_sum(args)
+        else:
+            result = _audit(args, audit_mechanism)
     return _print_audit(args, result)
 
 
@@ -169,6 +172,29 @@ def _ticker(what: str, mode: str, every: float = 5.0) -> Iterator[None]:
     finally:
         done.set()
         thread.join()
+
+
+def _audit_sum(args: argparse.Namespace) -> dict[str, Any]:
+    from protofl.attacks.audit_sum import audit_secure_sum
+
+    if args.mode != "release" or args.sample_rate != 1.0 or args.claim != "profile":
+        raise ValueError(
+            f"--mechanism {args.mechanism} is audited from the decoded sum only: drop --mode, "
+            "--sample-rate and --claim (its claim is the ledger's epsilon with the KL bound)"
+        )
+    return audit_secure_sum(  # type: ignore[no-any-return]
+        args.epsilon,
+        delta=args.delta,
+        trials=args.trials,
+        rounds=args.rounds,
+        clients=args.clients,
+        dim=args.dim,
+        canaries=args.canaries,
+        confidence=args.confidence,
+        noise_scale=args.noise_scale,
+        neighbouring=args.neighbouring,
+        seed=args.seed,
+    )
 
 
 def _audit(args: argparse.Namespace, audit_mechanism: Any) -> dict[str, Any]:
@@ -318,7 +344,19 @@ def add_attack_parsers(subparsers: Any) -> tuple[argparse.ArgumentParser, argpar
         help="model-free test of a mechanism's claimed privacy over whole runs (exit 1 on a "
         "violation)",
     )
-    audit.add_argument("--mechanism", choices=private_mechanisms(), required=True)
+    audit.add_argument(
+        "--mechanism",
+        choices=private_mechanisms() + sum_mechanisms(),
+        required=True,
+        help="a per-client mechanism (its releases audited one by one) or ddg (the server's "
+        "view: the decoded secure sum of --clients clients)",
+    )
+    audit.add_argument(
+        "--clients",
+        type=int,
+        default=10,
+        help="ddg: clients in each secure sum (default 10)",
+    )
     audit.add_argument("--epsilon", type=float, required=True)
     audit.add_argument("--delta", type=float, default=1e-5)
     audit.add_argument(

@@ -137,14 +137,17 @@ def preflight(config: ExperimentConfig) -> None:
         raise ValueError(f"data.root={config.data.root!r} does not exist")
     backbone_class(config.backbone)
     check_backbone_options(config.backbone.name, config.backbone.options)
-    MECHANISM_REGISTRY.get(config.privacy.mechanism)
-    create_method(
+    mechanism = MECHANISM_REGISTRY.get(config.privacy.mechanism)
+    method = create_method(
         config.method.name,
         config.method.params,
         num_classes=10,
         num_domains=4,
         proto_dim=config.backbone.proto_dim,
     )
+    check_run = getattr(mechanism, "check_run", None)
+    if check_run is not None:  # what the mechanism's guarantee needs of the run (ddg)
+        check_run(config, method)
     if config.run.tensorboard:
         check_tensorboard()
     if info.preflight is not None:  # the root's layout, an HF set's columns: nothing decoded

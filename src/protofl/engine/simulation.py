@@ -35,6 +35,7 @@ from protofl.engine.round import (
     select_participants,
     validate_uploads,
 )
+from protofl.engine.secure_sum import bind_secure_sum, secure_uploads, uses_secure_sum
 from protofl.methods import create_method
 from protofl.methods.base import Batch, ClientState, GlobalState, Method, Upload
 from protofl.methods.objectives import Group
@@ -155,6 +156,8 @@ class Simulation:
                     f"{config.backbone.name!r} gives clients models of different shapes; use a "
                     "prototype-only method (or a homogeneous backbone)"
                 )
+        if uses_secure_sum(self.mechanism):  # ddg: calibrated for this federation
+            bind_secure_sum(self.mechanism, config, self.method, [c.data for c in self.clients])
         self.releases: list[list[Release | None]] = []
         self.last_feature_norms: dict[str, dict[str, float]] = {}
         self.last_mia: dict[str, dict[str, float]] = {}
@@ -343,6 +346,13 @@ class Simulation:
                 cluster_fn=self.method.cluster_fn(),
                 vectorise=vectorise,
             )
+            if uses_secure_sum(self.mechanism):
+                # ddg: the server sees only the sum of the shares (no per-client release, no
+                # hooks on one); every share was charged to its client's ledger above
+                for c, f in zip(chosen, feats):
+                    norms[c.data.name] = feature_norm_stats(f, clip=self.config.privacy.clip)
+                    sent[c.data.client] = None
+                return self.record_uploads(sent, active, secure_uploads(self.mechanism, releases))
             for c, f, release in zip(chosen, feats, releases):
                 # a local diagnostic (VPDR Fig. 4a): never uploaded, not covered by the DP claim
                 norms[c.data.name] = feature_norm_stats(f, clip=self.config.privacy.clip)
@@ -357,10 +367,14 @@ class Simulation:
         return self.record_uploads(sent, active)
 
     def record_uploads(
-        self, sent: dict[int, Release | None], active: Sequence[bool] | None
+        self,
+        sent: dict[int, Release | None],
+        active: Sequence[bool] | None,
+        sums: Sequence[Upload] = (),
     ) -> list[Upload]:
         """The round's uploads from what each active client sent (keyed by client id), in
-        client order; the round's row of ``self.releases`` (None for a client that sat out)."""
+        client order, then the decoded secure ``sums`` (ddg); the round's row of
+        ``self.releases`` (None for a client that sat out or whose share only the sum shows)."""
         round_releases: list[Release | None] = []
         uploads: list[Upload] = []
         for i, c in enumerate(self.clients):
@@ -381,7 +395,7 @@ class Simulation:
                 )
             )
         self.releases.append(round_releases)
-        return uploads
+        return uploads + list(sums)
 
     def upload_extras(self, c: Client) -> dict[str, torch.Tensor]:
         """What the method has ``c`` send beside its release (``Method.upload_extras``, in eval
@@ -602,8 +616,10 @@ class Simulation:
 
     def validate(self, uploads: list[Upload]) -> tuple[list[Upload], list[dict[str, str]]]:
         """Server-side upload validation; rejected uploads are logged and left out."""
-        return validate_uploads(
-            uploads,
+        # a decoded secure sum (client < 0) comes from no single client: nothing to check
+        sums = [up for up in uploads if up.client < 0]
+        accepted, rejected = validate_uploads(
+            [up for up in uploads if up.client >= 0],
             names={c.data.client: c.data.name for c in self.clients},
             domains={c.data.client: c.data.domain for c in self.clients},
             num_classes=self.data.num_classes,
@@ -612,6 +628,7 @@ class Simulation:
             one_per_class=self.method.cluster_fn() is None,
             round_number=self.round + 1,
         )
+        return accepted + sums, rejected
 
     def privacy_status(self) -> dict[str, Any]:
         """Epsilon spent per client (None without a guarantee) and the release facts."""

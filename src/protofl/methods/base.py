@@ -285,6 +285,17 @@ class Method:
         """Uploads -> global state (default: nothing shared)."""
         return {}
 
+    def secure_sum_groups(self) -> str:
+        """How the server aggregates from secure sums and public counts alone
+        (``privacy.mechanism: ddg``): ``class`` (one sum over the federation) or ``domain``
+        (one per domain).  Default: refused, with the reason (a ValueError naming the method):
+        its server needs each client's prototypes."""
+        raise ValueError(
+            f"privacy.mechanism=ddg gives the server only sums of the clients' class sums; "
+            f"method {self.name!r} needs each client's prototypes (secure aggregation works "
+            "for fedproto, and feddap with fusion: mean)"
+        )
+
     def weight_plan(self, clients: Sequence[int], counts: Sequence[float]) -> WeightPlan:
         """How the engine combines the trained weights of ``clients`` (this round's members,
         with their public sample ``counts``) for a weight-sharing method.  Default: FedAvg of

@@ -249,6 +249,18 @@ class FedDAP(Method):
             uploads, fusion=self.params["fusion"], tau_agg=float(self.params["tau_agg"])
         )
 
+    def secure_sum_groups(self) -> str:
+        """``domain``: with ``fusion: mean`` a (class, domain) prototype is that domain's class
+        sum over its public count (count-weighted, where FedDAP's plain mean weights clients
+        equally); similarity fusion weighs each client's prototype, which a sum hides."""
+        if self.params["fusion"] != "mean":
+            raise ValueError(
+                "privacy.mechanism=ddg gives the server only per-domain class sums: feddap's "
+                "fusion: similarity weighs each client's prototype; set "
+                "method.params.fusion=mean"
+            )
+        return "domain"
+
     def objective(self) -> LocalObjective:
         """CE + lambda1 * L_DPA + lambda2 * L_CPCL (Eq. 10)."""
         p = self.params

@@ -83,6 +83,18 @@ class FedProto(Method):
             return class_uniform_mean(uploads, self.num_classes, self.proto_dim)
         return class_weighted_mean(uploads, self.num_classes, self.proto_dim)
 
+    def secure_sum_groups(self) -> str:
+        """``class``: the count-weighted mean is a class sum over a public count; the median,
+        trimmed mean and uniform (per-client) weighting need each client's prototypes."""
+        p = self.params
+        if p["aggregation"] != "mean" or p["weighting"] != "counts":
+            raise ValueError(
+                f"privacy.mechanism=ddg gives the server only class sums: fedproto needs "
+                f"aggregation: mean and weighting: counts (it has aggregation: "
+                f"{p['aggregation']}, weighting: {p['weighting']})"
+            )
+        return "class"
+
     def objective(self) -> LocalObjective:
         """CE + lam * MSE(f, G_y) over the samples whose class has a global prototype."""
         return LocalObjective(terms=(PrototypePull(float(self.params["lam"])),))

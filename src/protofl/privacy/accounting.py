@@ -19,6 +19,9 @@ Ledger events (JSON-safe dicts, see :func:`epsilon_spent`)::
     {"kind": "poisson_gaussian", "noise_multiplier": z, "sample_rate": q}
         # one Gaussian release of a Poisson subsample (each example kept with probability q,
         # secretly); add/remove neighbouring only (amplification by subsampling)
+    {"kind": "ddg", "l2": l2, "l1": l1, "sigma": s, "clients": n, "dim": d}
+        # one secure sum of n honest discrete Gaussian shares (protofl.privacy.ddg_accounting):
+        # composed in RDP with everything else in the list
 
 Subsampled events are composed as privacy-loss distributions (dp-accounting's subsampled
 Gaussian PLD, pessimistic) or by dp-accounting's RDP accountant; the closed forms above apply
@@ -44,6 +47,8 @@ from scipy.optimize import brentq
 from scipy.special import log_ndtr
 
 from protofl.privacy.config import VPP_VARIANTS
+from protofl.privacy.ddg_accounting import check_event as check_ddg_event
+from protofl.privacy.ddg_accounting import ddg_epsilon
 
 ACCOUNTANTS = ("pld", "rdp", "rdp-classic")
 SPLITS = ("joint", "paper")
@@ -258,7 +263,10 @@ def _compose(inv_z2: float, items: tuple[tuple[float, int], ...], delta: float, 
 def summarise_events(events: Iterable[Mapping[str, Any]]) -> tuple[float, dict[float, int]]:
     """(sum of 1/z^2 over Gaussian events, {epsilon: count} of pure events); validates events.
     Subsampled events have no such summary: :func:`split_events` gives them too."""
+    events = list(events)
     inv_z2, pure, sampled = split_events(events)
+    if any(ev.get("kind") == "ddg" for ev in events):
+        raise ValueError("ddg events have no Gaussian summary; compose them with epsilon_spent")
     if sampled:
         raise ValueError(
             "poisson_gaussian events (privacy.sample_rate < 1) have no Gaussian summary; "
@@ -299,10 +307,12 @@ def split_events(
                 inv_z2 += 1.0 / (z * z)
             else:
                 sampled[(z, q)] += 1
+        elif kind == "ddg":
+            check_ddg_event(ev)  # composed by epsilon_spent (RDP, Proposition 14)
         else:
             raise ValueError(
-                f"unknown privacy event kind {kind!r}; expected 'gaussian', 'pure' or "
-                "'poisson_gaussian'"
+                f"unknown privacy event kind {kind!r}; expected 'gaussian', 'pure', "
+                "'poisson_gaussian' or 'ddg'"
             )
     return inv_z2, dict(pure), dict(sampled)
 
@@ -315,7 +325,14 @@ def epsilon_spent(
     ``{"kind": "gaussian", "noise_multiplier": z}`` is a Gaussian release with std z times its
     L2 sensitivity; ``{"kind": "pure", "epsilon": e}`` a pure e-DP release.
     """
+    events = list(events)
     inv_z2, pure, sampled = split_events(events)
+    ddg = [ev for ev in events if ev.get("kind") == "ddg"]
+    if ddg:
+        if sampled:
+            raise ValueError("ddg events do not compose with subsampled (poisson_gaussian) ones")
+        # the distributed discrete Gaussian has an RDP bound only: everything composes in RDP
+        return ddg_epsilon(ddg, inv_z2=inv_z2, pure=pure, delta=delta)
     if sampled:
         return sampled_epsilon(inv_z2, pure, sampled, delta=delta, accountant=accountant)
     if inv_z2 == 0 and not pure:

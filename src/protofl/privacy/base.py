@@ -83,6 +83,7 @@ class Mechanism(ABC):
 
     name: str = "base"
     guarantees: ClassVar[bool] = True  # whether releases carry a DP guarantee
+    auditable: ClassVar[bool] = True  # whether one client's release alone can be audited
 
     def __init__(self, config: PrivacyConfig, *, rounds: int, dim: int) -> None:
         self.config = config
@@ -410,8 +411,24 @@ class NoPrivacy(Mechanism):
 
 
 def private_mechanisms() -> list[str]:
-    """Registered names of the mechanisms that carry a DP guarantee (what an audit tests)."""
-    return [n for n in MECHANISM_REGISTRY.names() if MECHANISM_REGISTRY.get(n).guarantees]
+    """Registered names of the per-client mechanisms that carry a DP guarantee (what the
+    release audit tests; ``ddg``'s shares mean nothing alone, its audit is the sum's)."""
+    return [
+        n
+        for n in MECHANISM_REGISTRY.names()
+        if MECHANISM_REGISTRY.get(n).guarantees and MECHANISM_REGISTRY.get(n).auditable
+    ]
+
+
+def sum_mechanisms() -> list[str]:
+    """Registered names of the mechanisms whose guarantee is on a secure sum (``ddg``): their
+    audit is the decoded sum's (:mod:`protofl.attacks.audit_sum`)."""
+    return [
+        n
+        for n in MECHANISM_REGISTRY.names()
+        if MECHANISM_REGISTRY.get(n).guarantees
+        and getattr(MECHANISM_REGISTRY.get(n), "secure_sum_mechanism", False)
+    ]
 
 
 def create_mechanism(config: PrivacyConfig, *, rounds: int, dim: int) -> Mechanism:

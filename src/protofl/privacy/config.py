@@ -39,6 +39,12 @@ class PrivacyConfig:
     # independently with this probability, drawn from the client's noise key (secret from the
     # server); public counts divide by the fixed q*n.  1: no subsampling (the papers)
     sample_rate: float = 1.0
+    # ddg (distributed discrete Gaussian over secure aggregation, protofl.privacy.ddg): the
+    # modulus 2^bits of the secure sum, the clients of a round that may drop out or collude with
+    # the server (the noise holds with the rest), conditional rounding's beta
+    ddg_bits: int = 32
+    ddg_max_dropped: int = 0
+    ddg_beta: float = math.exp(-0.5)
     # VPP (VPDR Sec. 4.2); paper defaults H=0.1, r=0.1, rho=0.2
     vpp_rho: float = 0.2
     vpp_ratio: float = 0.1
@@ -77,6 +83,7 @@ class PrivacyConfig:
         if self.release_schedule not in RELEASE_SCHEDULES:
             _fail("release_schedule", self.release_schedule, ", ".join(RELEASE_SCHEDULES))
         self._check_sampling()
+        self._check_ddg()
         if self.noise_seed not in ("auto", "derived", "secret"):
             _fail("noise_seed", self.noise_seed, "auto, derived, secret")
         if isinstance(self.warn_min_count, bool) or not isinstance(self.warn_min_count, int):
@@ -130,6 +137,19 @@ class PrivacyConfig:
             raise ValueError(
                 f"privacy.sample_rate={q!r} needs privacy.accountant pld or rdp (rdp-classic "
                 "has no subsampled form)"
+            )
+
+    def _check_ddg(self) -> None:
+        for key, low, high in (("ddg_bits", 8, 62), ("ddg_max_dropped", 0, 1 << 30)):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+                _fail(key, v, f"integers in [{low}, {high}]")
+        if isinstance(self.ddg_beta, bool) or not 0 < self.ddg_beta < 1:
+            _fail("ddg_beta", self.ddg_beta, "(0, 1)")
+        if self.mechanism == "ddg" and not self.counts_public:
+            raise ValueError(
+                "privacy.mechanism=ddg divides the secure sums by public counts; "
+                "privacy.addremove_counts=noisy is not supported with it (use public)"
             )
 
     @property

@@ -46,6 +46,20 @@ DIAGNOSTICS_GAP = (
 )
 
 
+def ddg_assumptions(config: PrivacyConfig) -> list[str]:
+    """What ``privacy.mechanism: ddg``'s guarantee assumes beyond the mechanism itself."""
+    return [
+        "an honest-but-curious server: it follows the secure-aggregation protocol and sees "
+        "only the sum of each round's client vectors, never one client's (against a server "
+        "that sees a single vector, only that client's own 1/sqrt(n) share of the noise "
+        "protects it)",
+        f"at most {config.ddg_max_dropped} dropped or colluding clients a round "
+        "(privacy.ddg_max_dropped): the noise is calibrated to the shares of the others",
+        "an in-process secure sum: the simulator computes the sum with the protocol's "
+        "arithmetic (quantisation, modular wrap) but no cryptography",
+    ]
+
+
 def describe_guarantee(
     config: PrivacyConfig,
     *,
@@ -109,10 +123,14 @@ def describe_guarantee(
         if config.release_schedule == "once"
         else f"{rounds} releases"
     )
+    kind = "distributed DP (secure sums)" if config.mechanism == "ddg" else "local DP"
     statement = (
-        f"({config.epsilon:g}, {config.delta:g})-local DP per client over the whole run "
+        f"({config.epsilon:g}, {config.delta:g})-{kind} per client over the whole run "
         f"({releases}), {config.neighbouring}, noise key {noise_key}"
     )
+    assumes = ddg_assumptions(config) if config.mechanism == "ddg" else []
+    if assumes:
+        statement += "; assumes " + " and ".join(a.split(":")[0] for a in assumes)
     if config.sampled:
         statement += (
             f", each release a Poisson subsample at rate {config.sample_rate:g} (amplification "
@@ -131,6 +149,7 @@ def describe_guarantee(
         "noise_key": noise_key,
         "noise_key_note": NOISE_KEY_NOTES[noise_key],
         "covers": "every prototype release of the client's training data over the run",
+        **({"assumes": assumes} if assumes else {}),
         "not_covered": gaps,
         "outside_scope": [EVALUATION_SCOPE],
         "complete": complete,

@@ -143,6 +143,12 @@ class NoiseKey:
         """A uniformly random permutation of ``range(n)`` (sorting 64-bit random keys)."""
         return np.argsort(self._words(n, purpose), kind="stable")
 
+    def child(self, purpose: str) -> NoiseKey:
+        """A fresh key of the same mode made of 256 bits of this key's stream (one draw): for
+        a step that draws a data-dependent number of times (ddg's conditional rounding), so
+        this key's later draws do not depend on the data."""
+        return NoiseKey(self._words(KEY_BYTES // 8, purpose).tobytes(), mode=self.mode)
+
     # ----- what may be kept ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint may hold: a derived key's state (reproducible from the config
@@ -215,6 +221,15 @@ def draw_laplace(
     else:
         e = -torch.log1p(-u)  # torch.rand is in [0, 1)
     return scale * (e[0] - e[1])
+
+
+def child_source(source: NoiseSource, purpose: str) -> NoiseSource:
+    """A source seeded by one draw of ``source`` (:meth:`NoiseKey.child`; a generator seeded
+    from ``source`` for a plain ``torch.Generator``)."""
+    if isinstance(source, NoiseKey):
+        return source.child(purpose)
+    seed = int(torch.randint(0, 2**62, (1,), generator=source, device=source.device))
+    return torch.Generator().manual_seed(seed)
 
 
 def draw_permutation(source: NoiseSource, n: int, purpose: str) -> torch.Tensor:
