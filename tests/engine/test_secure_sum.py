@@ -119,3 +119,32 @@ def test_a_dropout_threshold_the_federation_cannot_meet_is_refused(tmp_path: Pat
     with pytest.raises(ValueError, match=r"privacy.ddg_max_dropped=4 leaves no honest client"):
         run_experiment(cfg, out=out, home=tmp_path)
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_an_extended_ddg_run_composes_every_sum_at_the_recorded_calibration(
+    tmp_path: Path,
+) -> None:
+    from protofl.engine.runner import extend_experiment
+    from protofl.privacy.ddg_accounting import ddg_epsilon
+
+    cfg = tiny_config("fedproto", "ddg", rounds=2, clients_per_domain=2)
+    cfg = cfg.with_overrides(["privacy.epsilon=1", "run.progress=false"])
+    first = run_experiment(cfg, out=tmp_path, home=tmp_path)
+    facts = first.summary["privacy"]
+    event = {
+        "kind": "ddg",
+        "l2": facts["l2_sensitivity"],
+        "l1": facts["l1_sensitivity"],
+        "sigma": facts["sigma_per_client"],
+        "clients": facts["honest_clients"],
+        "dim": facts["coords"],
+    }
+    assert ddg_epsilon([event] * 2, delta=1e-5) <= 1.0
+    result = extend_experiment(first.run_dir, 2, progress=False)
+    privacy = result.summary["privacy"]
+    total = ddg_epsilon([event] * 4, delta=1e-5)
+    assert privacy["epsilon"] == pytest.approx(total, rel=1e-9) and total > 1.0
+    assert all(e == pytest.approx(total, rel=1e-9) for e in privacy["epsilon_spent"].values())
+    statement = privacy["guarantee"]["statement"]
+    assert statement.startswith(f"({total:g}, 1e-05)-distributed DP (secure sums)")
+    assert "EXTENDED" in statement and "honest-but-curious" in statement

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import platform
 import re
@@ -49,6 +50,7 @@ from protofl.engine.rundir import (
     write_record,
     write_summary,
 )
+from protofl.engine.secure_sum import uses_secure_sum
 from protofl.engine.simulation import RoundMetrics, Simulation, summarise
 from protofl.errors import ConfigError
 from protofl.privacy.base import Mechanism
@@ -291,6 +293,9 @@ def plan_extension(run_dir: Path, config: ExperimentConfig, rounds: int) -> dict
     fed, priv = config.federation, config.privacy
     calibrated = priv.releases(fed.rounds)
     mechanism = create_mechanism(priv, rounds=calibrated, dim=config.backbone.proto_dim)
+    if uses_secure_sum(mechanism):  # ddg: calibrated for the run's federation, as recorded
+        summary = json.loads((run_dir / "summary.json").read_text())
+        mechanism.restore_calibration(summary.get("privacy", {}))  # type: ignore[attr-defined]
     # charged releases: privacy.release_schedule=once re-sends its one release, adding none
     before = composed_epsilon(mechanism, config, priv.releases(done))
     after = composed_epsilon(mechanism, config, priv.releases(done + rounds))
@@ -348,14 +353,12 @@ def extended_privacy(privacy: dict[str, Any], extensions: list[dict[str, Any]]) 
         out["epsilon"] = total
         new = dict(old)
         new["epsilon"], new["rounds"] = total, target
+        kind = "distributed DP (secure sums)" if cal.get("mechanism") == "ddg" else "local DP"
         claimed = (
-            f"({cal['epsilon']:g}, {cal['delta']:g})-local DP per client over the whole run "
+            f"({cal['epsilon']:g}, {cal['delta']:g})-{kind} per client over the whole run "
             f"({cal['rounds']} releases)"
         )
-        holds = (
-            f"({total:g}, {cal['delta']:g})-local DP per client over the whole run "
-            f"({target} releases)"
-        )
+        holds = f"({total:g}, {cal['delta']:g})-{kind} per client over the whole run ({target} releases)"
         statement = str(old.get("statement", ""))
         rest = statement[len(claimed) :] if statement.startswith(claimed) else ""
         new["statement"] = (

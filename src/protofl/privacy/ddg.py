@@ -228,6 +228,23 @@ class DistributedDiscreteGaussian(Mechanism):
         )
         return True
 
+    def restore_calibration(self, facts: Mapping[str, Any]) -> None:
+        """Take the calibration a finished run recorded (its summary's privacy facts, from
+        :meth:`describe`), for what needs only the events (``protofl extend``'s epsilon); a
+        release still needs :meth:`bind`."""
+        try:
+            self.l2 = float(facts["l2_sensitivity"])
+            self.l1 = float(facts["l1_sensitivity"])
+            self.sigma = float(facts["sigma_per_client"])
+            self.honest = int(facts["honest_clients"])
+            self.coords = int(facts["coords"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(
+                "the run's summary.json holds no ddg calibration (privacy.sigma_per_client, "
+                "l1_sensitivity, coords, ...); it was made before they were recorded"
+            ) from None
+        self._restored = True
+
     def _bound(self) -> Federation:
         if self.federation is None:
             raise RuntimeError(
@@ -238,7 +255,8 @@ class DistributedDiscreteGaussian(Mechanism):
 
     def event(self) -> dict[str, Any]:
         """The ledger event of one release (Proposition 14's parameters)."""
-        self._bound()
+        if not getattr(self, "_restored", False):
+            self._bound()
         return {
             "kind": "ddg",
             "l2": self.l2,
@@ -385,6 +403,8 @@ class DistributedDiscreteGaussian(Mechanism):
                     "gamma": float(self.gamma),
                     "rounding_bound": float(self.bound),
                     "l2_sensitivity": float(self.l2),
+                    "l1_sensitivity": float(self.l1),
+                    "coords": self.coords,
                     "wrap_probability": self.wrap,
                     "equivalent_noise_multiplier": float(
                         math.sqrt(self.honest) * self.sigma / self.l2
