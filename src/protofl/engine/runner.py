@@ -358,7 +358,10 @@ def extended_privacy(privacy: dict[str, Any], extensions: list[dict[str, Any]]) 
             f"({cal['epsilon']:g}, {cal['delta']:g})-{kind} per client over the whole run "
             f"({cal['rounds']} releases)"
         )
-        holds = f"({total:g}, {cal['delta']:g})-{kind} per client over the whole run ({target} releases)"
+        holds = (
+            f"({total:g}, {cal['delta']:g})-{kind} per client over the whole run "
+            f"({target} releases)"
+        )
         statement = str(old.get("statement", ""))
         rest = statement[len(claimed) :] if statement.startswith(claimed) else ""
         new["statement"] = (
