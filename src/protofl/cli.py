@@ -34,7 +34,7 @@ def _print_result(args: argparse.Namespace, result: Any) -> None:
 
 def _cmd_extend(args: argparse.Namespace) -> int:
     from protofl.engine.engines import EngineOptions, resume_run
-    from protofl.engine.runner import check_extend_rounds
+    from protofl.engine.extension import check_extend_rounds
 
     check_extend_rounds(args.rounds)
     options = EngineOptions(progress=not args.quiet, flower=_flower_options(args))
@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _continue_hint(args: argparse.Namespace, exc: BaseException) -> str:
     """How to continue an interrupted run: the exact command, with its folder."""
-    from protofl.engine.runner import resume_command
+    from protofl.engine.rundir import resume_command
 
     run_dir = getattr(exc, "run_dir", None) or getattr(args, "resume", None)
     if run_dir is None and getattr(args, "command", None) == "extend":

@@ -262,7 +262,7 @@ def test_extending_a_finished_run_composes_every_release_and_says_so(tmp_path: P
 
 
 def test_the_release_limit_is_raised_explicitly_never_bypassed() -> None:
-    from protofl.engine.runner import raise_release_limit
+    from protofl.engine.extension import raise_release_limit
     from protofl.privacy import create_mechanism
     from protofl.privacy.config import PrivacyConfig
 

@@ -35,12 +35,14 @@ from protofl.data.base import (
 from protofl.data.imagefolder import (
     DataFileError,
     DatasetRootError,
-    check_options,
     env_root_available,
     find_child,
-    option_image_size,
     resize_array,
     resolve_root,
+)
+from protofl.data.options import (
+    check_options,
+    option_image_size,
 )
 
 log = logging.getLogger(__name__)

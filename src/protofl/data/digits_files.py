@@ -53,15 +53,9 @@ from protofl.data.imagefolder import (
     DataFileError,
     DatasetRootError,
     SkipLog,
-    check_options,
     decode_many,
     env_root_available,
     find_child,
-    option_bool,
-    option_domains,
-    option_holdout,
-    option_image_size,
-    option_protocol,
     resize_array,
     resolve_root,
     scan_class_folders,
@@ -73,6 +67,14 @@ from protofl.data.mnist import (
     ensure_mnist_files,
     find_idx_files,
     read_idx,
+)
+from protofl.data.options import (
+    check_options,
+    option_bool,
+    option_domains,
+    option_holdout,
+    option_image_size,
+    option_protocol,
 )
 
 log = logging.getLogger(__name__)

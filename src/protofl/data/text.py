@@ -48,7 +48,13 @@ from protofl.data.base import (
     MultiDomainDataset,
 )
 from protofl.data.cache import atomic_write_bytes, record_checksum, sha256_file, verify_checksum
-from protofl.data.imagefolder import DataFileError, check_options, resolve_root
+from protofl.data.imagefolder import (
+    DataFileError,
+    resolve_root,
+)
+from protofl.data.options import (
+    check_options,
+)
 
 log = logging.getLogger(__name__)
 

@@ -23,12 +23,14 @@ from protofl.data.imagefolder import (
     FolderBenchmark,
     SkipLog,
     build_domains,
-    check_options,
     env_root_available,
     folder_options,
     is_image_file,
-    option_bool,
     resolve_root,
+)
+from protofl.data.options import (
+    check_options,
+    option_bool,
 )
 
 log = logging.getLogger(__name__)

@@ -33,6 +33,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shlex
 import signal
 import tempfile
 import threading
@@ -72,6 +73,11 @@ RESULT_FREE_KEYS = (
 """Keys a resume may change: where files go, progress display, threads, checkpoint cadence,
 which accuracy is the headline, where client state lives and the batched working memory (the
 results are the same either way)."""
+
+
+def resume_command(run_dir: str | Path) -> str:
+    """The exact command that continues ``run_dir`` (quoted for a POSIX shell)."""
+    return f"protofl run --resume {shlex.quote(str(run_dir))}"
 
 
 class LockError(RuntimeError):

@@ -622,7 +622,7 @@ def _run(
     # the run (never a value the server sends); reset for every run the process serves
     limit = release_limit or cfg.federation.rounds
     if sim.mechanism.rounds != limit:
-        from protofl.engine.runner import raise_release_limit
+        from protofl.engine.extension import raise_release_limit
 
         sim.mechanism.rounds = cfg.federation.rounds
         raise_release_limit(sim.mechanism, limit)

@@ -100,8 +100,9 @@ def resume_flower_simulation(
     node-local state (``extend`` > 0: a finished run, for that many more rounds at its
     calibrated noise, recorded as :func:`protofl.engine.runner.extend_experiment` does).
     The backend may differ from the first run's (both give the same numbers)."""
+    from protofl.engine.extension import check_extend_rounds, plan_extension
     from protofl.engine.rundir import FolderLock, check_resume
-    from protofl.engine.runner import check_extend_rounds, plan_extension, read_run_config
+    from protofl.engine.runner import read_run_config
 
     _check_backend(backend, silent_nodes)
     run_dir = Path(run_dir)

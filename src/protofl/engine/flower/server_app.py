@@ -193,6 +193,7 @@ def run_flower_server(
     set's classes, domains and clients,
     :func:`~protofl.engine.flower.plan.plan_from_config`)."""
     from protofl.engine.checkpoint import load_latest_checkpoint, save_checkpoint
+    from protofl.engine.extension import extended_privacy
     from protofl.engine.rundir import (
         FolderLock,
         append_round,
@@ -201,7 +202,7 @@ def run_flower_server(
         target_rounds,
         write_summary,
     )
-    from protofl.engine.runner import attach_log, extended_privacy, make_run_dir, start_run_dir
+    from protofl.engine.runner import attach_log, make_run_dir, start_run_dir
 
     outcome = outcome if outcome is not None else ServerOutcome()
     created = run_dir is None and out is not None  # removed again if no round completes
