@@ -339,11 +339,28 @@ def _build_point(
 ) -> ExperimentConfig:
     data = json.loads(json.dumps(base))  # deep copy of plain YAML data
     try:
-        for key, value in overrides.items():
-            set_dotted(data, key, value)
+        # shallower keys first, so a dotted axis (privacy.epsilon) lands inside a section axis
+        # (privacy: {mechanism: igpp}) whatever their order in the file
+        for key in sorted(overrides, key=lambda k: k.count(".")):
+            value = json.loads(json.dumps(overrides[key]))  # the grid's value stays as written
+            _merge_dotted(data, key, value)
         return ExperimentConfig.from_dict(data, source=source)
     except (ConfigError, ValueError) as exc:
         raise ConfigError(f"{source}: {where}: {exc}") from None
+
+
+def _merge_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``key`` to ``value``; a mapping merges key by key into the section already there
+    (its keys win, the base's other keys stay), as a preset's values sit under a config's."""
+    node: Any = data
+    for part in key.split(".")[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    current = node.get(key.split(".")[-1]) if isinstance(node, dict) else None
+    if isinstance(value, dict) and isinstance(current, dict):
+        for sub, v in value.items():
+            _merge_dotted(current, sub, v)
+        return
+    set_dotted(data, key, value)
 
 
 def check_engines(points: Sequence[SweepPoint], source: str) -> None:
