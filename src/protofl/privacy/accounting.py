@@ -48,7 +48,7 @@ from scipy.special import log_ndtr
 
 from protofl.privacy.config import VPP_VARIANTS
 from protofl.privacy.ddg_accounting import check_event as check_ddg_event
-from protofl.privacy.ddg_accounting import ddg_epsilon
+from protofl.privacy.ddg_accounting import ddg_epsilon, geometric_bisection
 
 ACCOUNTANTS = ("pld", "rdp", "rdp-classic")
 SPLITS = ("joint", "paper")
@@ -488,13 +488,7 @@ def _calibrate_sampled(
     lo = max(hi / 2.0, SAMPLED_SIGMA_MIN)
     while spent(lo) <= epsilon:
         hi, lo = lo, max(lo / 2.0, SAMPLED_SIGMA_MIN)
-    while hi / lo - 1.0 > _REL_TOL:
-        mid = math.sqrt(lo * hi)
-        if spent(mid) > epsilon:
-            lo = mid
-        else:
-            hi = mid
-    return hi
+    return geometric_bisection(spent, epsilon, lo, hi, _REL_TOL)
 
 
 # --------------------------------------------------------------------------------------------

@@ -238,6 +238,18 @@ class Mechanism(ABC):
 MECHANISM_REGISTRY: Registry[type[Mechanism]] = Registry("mechanism")
 
 
+def charge_release(released: dict[str, int], client: str, limit: int) -> None:
+    """Count one release of ``client`` in ``released``; past the ``limit`` the calibration
+    covers, refuse before anything is drawn."""
+    used = released.get(client, 0)
+    if used >= limit:
+        raise RuntimeError(
+            f"client {client!r} has already made the {limit} releases the mechanism was "
+            "calibrated for; another release would exceed its privacy budget"
+        )
+    released[client] = used + 1
+
+
 def check_finite(features: torch.Tensor, client: str) -> None:
     """Fail naming the client when features hold NaN or inf."""
     if not torch.isfinite(features).all():

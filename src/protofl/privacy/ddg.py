@@ -50,7 +50,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from protofl.privacy.base import MECHANISM_REGISTRY, ClusterFn, Mechanism, Release, check_finite
+from protofl.privacy.base import (
+    MECHANISM_REGISTRY,
+    ClusterFn,
+    Mechanism,
+    Release,
+    charge_release,
+    check_finite,
+)
 from protofl.privacy.config import PrivacyConfig
 from protofl.privacy.ddg_accounting import calibrate_ddg, rounding_norm_bound, wrap_probability
 from protofl.privacy.noise import NoiseSource, child_source, draw_uniform
@@ -291,13 +298,7 @@ class DistributedDiscreteGaussian(Mechanism):
         check_finite(features, client)
         if client not in fed.groups:
             raise ValueError(f"client {client!r} is not in the federation ddg was bound to")
-        used = self._released.get(client, 0)
-        if used >= self.rounds:
-            raise RuntimeError(
-                f"client {client!r} has already made the {self.rounds} releases the mechanism "
-                "was calibrated for; another release would exceed its privacy budget"
-            )
-        self._released[client] = used + 1
+        charge_release(self._released, client, self.rounds)
         x = clip_l2(features.detach().to("cpu", torch.float64), self.config.clip)
         # the rounding draws again for rows over the bound (a data-dependent number of draws):
         # from a child of the key, so the key's later draws (the noise) do not depend on it

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -137,7 +137,16 @@ def calibrate_ddg(
         lo, hi = hi, hi * 2.0
         if hi > 1e15:
             raise RuntimeError(f"could not calibrate the ddg noise to epsilon={epsilon}")
-    while hi / lo - 1.0 > 1e-4:
+    return geometric_bisection(spent, epsilon, lo, hi, 1e-4)
+
+
+def geometric_bisection(
+    spent: Callable[[float], float], epsilon: float, lo: float, hi: float, rel_tol: float
+) -> float:
+    """The smallest noise (up to ``rel_tol`` relative, the upper end: the safe side) in
+    [lo, hi] whose ``spent`` is at most ``epsilon``, for ``spent(lo) > epsilon >= spent(hi)``
+    and ``spent`` decreasing."""
+    while hi / lo - 1.0 > rel_tol:
         mid = math.sqrt(lo * hi)
         if spent(mid) > epsilon:
             lo = mid
@@ -185,6 +194,7 @@ __all__ = [
     "ddg_epsilon",
     "ddg_rdp",
     "ddg_tau",
+    "geometric_bisection",
     "rounding_norm_bound",
     "wrap_probability",
 ]

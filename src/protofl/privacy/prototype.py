@@ -34,6 +34,7 @@ from protofl.privacy.base import (
     Release,
     _class_sums,
     _segments,
+    charge_release,
     check_finite,
     group_means,
 )
@@ -240,13 +241,7 @@ class _PrototypeMechanism(Mechanism):
             raise ValueError(f"client {client!r}: labels must lie in [0, {num_classes})")
 
     def _charge(self, client: str) -> None:
-        used = self._released.get(client, 0)
-        if used >= self.rounds:
-            raise RuntimeError(
-                f"client {client!r} has already made the {self.rounds} releases the mechanism was "
-                "calibrated for; another release would exceed its privacy budget"
-            )
-        self._released[client] = used + 1
+        charge_release(self._released, client, self.rounds)
 
     def _warn_small(self, built: _Built, client: str) -> None:
         small = (built.counts < self.config.warn_min_count).nonzero().flatten().tolist()
