@@ -14,3 +14,18 @@ def test_a_round_that_is_not_evaluated_sends_no_evaluation_without_weights() -> 
     strategy = ProtoStrategy(cfg)
     assert strategy.avg_weights is None
     assert list(strategy.configure_evaluate(1, None, None, None)) == []  # type: ignore[arg-type]
+
+
+def test_a_secure_sum_mechanism_is_refused_by_the_flower_server() -> None:
+    """``privacy.mechanism: ddg`` needs SecAgg+, which the Flower engine does not run: a
+    deployment's server (no preflight of its own) refuses it in one line, naming the fix."""
+    import pytest
+
+    from protofl.engine.flower.strategy import ProtoStrategy
+    from protofl.errors import ConfigError
+
+    cfg = tiny_config("fedproto", "ddg", rounds=2)
+    with pytest.raises(
+        ConfigError, match=r"privacy.mechanism=ddg needs a secure sum.*run.engine=sim"
+    ):
+        ProtoStrategy(cfg)

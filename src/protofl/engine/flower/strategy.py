@@ -81,11 +81,12 @@ from protofl.engine.round import (
     round_metrics,
     select_participants,
 )
+from protofl.errors import ConfigError
 from protofl.methods import METHOD_REGISTRY, create_method
 from protofl.methods.base import GlobalState, Method, Upload
 from protofl.methods.validation import validate_upload
 from protofl.privacy import create_mechanism
-from protofl.privacy.base import Mechanism, Release
+from protofl.privacy.base import MECHANISM_REGISTRY, Mechanism, Release
 from protofl.privacy.ledger import PrivacyLedger
 from protofl.seeding import Stream, generator
 
@@ -142,6 +143,11 @@ class ProtoStrategy(Strategy):
         self.on_round = on_round
         self.poll_interval = poll_interval
         fed = config.federation
+        if getattr(MECHANISM_REGISTRY.get(config.privacy.mechanism), "secure_sum_mechanism", False):
+            raise ConfigError(
+                f"privacy.mechanism={config.privacy.mechanism} needs a secure sum, which the "
+                "Flower engine does not run yet (SecAgg+ is not wired in); use run.engine=sim"
+            )
         # calibrated as the clients' (privacy.release_schedule=once: for one release)
         self.mechanism: Mechanism = create_mechanism(
             config.privacy,
