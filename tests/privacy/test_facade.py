@@ -83,6 +83,8 @@ def test_construction_errors_and_describe() -> None:
         PrototypePrivacy(rounds=2, noise_seed="derived")
     with pytest.raises(ValueError, match="private mechanism"):
         PrototypePrivacy(rounds=2, mechanism="none")
+    with pytest.raises(ValueError, match="mechanism=ddg is a share of a secure sum"):
+        PrototypePrivacy(rounds=2, mechanism="ddg")
     with pytest.raises(ValueError, match="not both"):
         PrototypePrivacy(rounds=2, config=PrivacyConfig(mechanism="igpp"), epsilon=2.0)
     p = PrototypePrivacy(rounds=20, mechanism="igpp", epsilon=1.0)

@@ -84,6 +84,12 @@ class PrototypePrivacy:
             config = PrivacyConfig(**settings)
         if config.base_mechanism == "none":
             raise ValueError("PrototypePrivacy needs a private mechanism: igpp, vpp or vpdr")
+        if config.mechanism == "ddg":
+            raise ValueError(
+                "PrototypePrivacy releases one client's prototypes; privacy.mechanism=ddg is a "
+                "share of a secure sum over a federation (run it with protofl run, "
+                "run.engine=sim); use igpp, vpp or vpdr here"
+            )
         self.config = config
         self.rounds = rounds
         self.name = name
