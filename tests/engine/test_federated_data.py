@@ -85,3 +85,15 @@ def test_bad_fraction_is_one_line_naming_the_key(bad: str) -> None:
 def test_a_fraction_that_holds_out_nothing_names_the_client(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"data\.validation_fraction=0\.01 holds out no sample"):
         build_federated_data(_config(validation_fraction=0.01), tmp_path)
+
+
+def test_the_console_names_texts_for_a_text_encoder() -> None:
+    """The data and feature lines say "texts" for a text encoder (they said "images" for
+    Rotten Tomatoes reviews through MiniLM)."""
+    from protofl.engine.federated_data import fraction_line
+    from protofl.models.backbones import FrozenBackbone
+    from protofl.models.transformers_backbones import MiniLM
+
+    assert MiniLM.items == "texts" and FrozenBackbone.items == "images"
+    line = fraction_line("rotten_tomatoes", 0.1, 1020, 10201, 40, items=MiniLM.items)
+    assert "1020 of 10201 training texts used by 40 client(s)" in line

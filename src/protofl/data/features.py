@@ -211,10 +211,11 @@ def _encode(
     from protofl.progress import step
 
     dev = _device(device)
+    items = getattr(backbone, "items", "images")
     with step(
-        f"features {dataset}/{domain}/{split}: {len(images)} images through {backbone.name}",
+        f"features {dataset}/{domain}/{split}: {len(images)} {items} through {backbone.name}",
         len(images),
-        "images",
+        items,
     ):
         if dev.type == "cpu" and os.environ.get(ENV_ENCODE_BATCH) is None:
             feats = backbone.encode(images)  # the CPU path as it always was

@@ -211,14 +211,16 @@ def fraction_line(
     *,
     per_client: bool = False,
     preset: str | None = None,
+    items: str = "images",
 ) -> str:
     """The console line of a run that trains on a fraction of its data (``train_fraction`` < 1,
-    the default 0.1): how many of the training images it uses and which key sets it."""
+    the default 0.1): how many of the training ``items`` (images, texts) it uses and which key
+    sets it."""
     unit = " of its domain per client" if per_client else ""
     key = f"set by data.preset {preset}" if preset else "data.train_fraction; 1 uses them all"
     return (
         f"data: {dataset}, train_fraction {fraction:g}{unit}: {used} of {available} training "
-        f"images used by {clients} client(s) ({key})"
+        f"{items} used by {clients} client(s) ({key})"
     )
 
 
@@ -375,6 +377,7 @@ def build_federated_data(
             len(clients),
             per_client=per_client_fraction,
             preset=dcfg.preset if "train_fraction" in preset else None,
+            items=getattr(backbone, "items", "images"),
         )
         log.info("%s", line)
         note(line)  # the console of a run that shows progress

@@ -96,6 +96,8 @@ class FrozenBackbone(ABC):
 
     name: str = "base"
     feature_dim: int = 0
+    #: what one input is called on the console ("images"; a text encoder: "texts")
+    items: ClassVar[str] = "images"
     #: options this backbone accepts under ``backbone.options`` (name -> meaning, env fallback);
     #: each name is also a class attribute holding the default
     accepted_options: ClassVar[Mapping[str, BackboneOption]] = {}

@@ -651,6 +651,8 @@ class TextEncoderBackbone(FrozenBackbone):
     ``max_seq_length``, else the model's limit up to 512 tokens).
     """
 
+    items: ClassVar[str] = "texts"
+
     name = "text_encoder"
     accepted_options = TEXT_OPTIONS
     path: ClassVar[str | None] = None
