@@ -447,3 +447,22 @@ def test_docs_list_every_preset_key() -> None:
                     short = key.removeprefix("method.params.")
                     name = f"{method}.{short}" if key.startswith("method.params.") else key
                     assert name in rows, f"docs/methods.md presets table lacks `{name}`"
+
+
+def test_the_dp_testbed_has_a_text_entry_that_matches_testbed_text_yaml() -> None:
+    """``preset: dp_testbed`` on rotten_tomatoes is experiments/testbed_text.yaml's base (the
+    text testbed where IGPP at epsilon 1 costs 6.5 AVG, docs/results.md)."""
+    got = resolved("dp_testbed", "data.name=rotten_tomatoes")
+    sweep = yaml.safe_load((DOCS.parents[1] / "experiments" / "testbed_text.yaml").read_text())
+    base = flatten(sweep["base"])
+    for key in (
+        "backbone.name",
+        "data.train_fraction",
+        "data.clients_per_domain",
+        "data.max_test_per_domain",
+        "federation.rounds",
+        "federation.local_epochs",
+        "method.params.eval",
+    ):
+        assert got[key] == base[key], key
+    assert got["privacy.clip"] == 5.0

@@ -247,6 +247,14 @@ DP_TESTBED = Preset(
         # domain (about 20 examples a class a client in mnist and mnistm, 10 in syndigits, 1-2
         # in optdigits), so a class prototype's sensitivity 2R/n is large
         "digits4": {"data.clients_per_domain": 10, "data.max_train_per_domain": 2000},
+        # text: every embedded Rotten Tomatoes training review over 200 clients (about 50 a
+        # client) through the frozen all-MiniLM-L6-v2 encoder, 1,000 shared test reviews
+        "rotten_tomatoes": {
+            "backbone.name": "minilm",
+            "data.train_fraction": 1.0,
+            "data.clients_per_domain": 200,
+            "data.max_test_per_domain": 1000,
+        },
     },
     methods={
         # classify by the nearest global prototype: the shared (noisy) prototypes decide every
